@@ -1,0 +1,244 @@
+"""Typed, validated configs for every algorithm (one dataclass per algorithm).
+
+Each config is a plain dataclass, so it can be built from an OmegaConf ``algorithm.*`` section
+with :meth:`AlgorithmConfig.from_dict` (unknown keys are rejected by name). Every field is
+checked in ``__post_init__``; a bad value raises ``ValueError`` naming the field.
+
+Defaults follow ``shared/docs/quatro-math.md`` (Sec. 4-5), the paper (App. B: beta = 0.001,
+"verl defaults" otherwise) and each baseline's paper / verl implementation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from quatro_nemo.algos.dual import DEFAULT_LAMBDA_MIN
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+QUATRO_LOG_RATIOS = ("seq_sum", "seq_mean", "none")
+
+
+def _check_number(owner: str, name: str, value: Any, *, positive: bool = False,
+                  non_negative: bool = False, optional: bool = False) -> None:
+    """Raise ValueError naming ``owner.name`` unless ``value`` is a finite real number."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{owner}.{name} must be > 0, got {value!r}")
+    if non_negative and value < 0:
+        raise ValueError(f"{owner}.{name} must be >= 0, got {value!r}")
+
+
+def _check_choice(owner: str, name: str, value: Any, choices: Tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}.{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}.{name} must be true or false, got {value!r}")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Fields shared by every algorithm.
+
+    beta:          coefficient of the token-level k3 KL to the reference policy (paper App. B).
+    loss_agg_mode: how token values are reduced over the global batch (see ``aggregation.py``);
+                   also used for the k3 term of sequence-level losses.
+    """
+
+    beta: float = 0.001
+    loss_agg_mode: str = "token-mean"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        owner = type(self).__name__
+        _check_number(owner, "beta", self.beta, non_negative=True)
+        _check_choice(owner, "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "algorithm"):
+        """Build the config from a mapping (dict or OmegaConf section); reject unknown keys.
+
+        ``source`` names where the mapping came from, for the error message.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        given = dict(values.items())
+        unknown = sorted(k for k in given if k not in known)
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(known)}"
+            )
+        return cls(**given)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GroupBaselineConfig(AlgorithmConfig):
+    """Group-relative advantage ``(R - mean) / (std + eps)`` (GRPO, DeepSeekMath Eq. in Sec. 4.1.2).
+
+    norm_by_std: divide by the group's (unbiased) standard deviation; False gives Dr. GRPO's
+                 mean-only baseline.
+    eps:         added to the std.
+    """
+
+    norm_by_std: bool = True
+    eps: float = 1e-6
+
+    def validate(self) -> None:
+        super().validate()
+        owner = type(self).__name__
+        _check_bool(owner, "norm_by_std", self.norm_by_std)
+        _check_number(owner, "eps", self.eps, non_negative=True)
+
+
+@dataclass
+class ClippedRatioConfig(GroupBaselineConfig):
+    """A ratio clipped to ``[1 - clip_low, 1 + clip_high]`` (PPO, Schulman et al. 2017, Eq. 7)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+
+    def validate(self) -> None:
+        super().validate()
+        owner = type(self).__name__
+        _check_number(owner, "clip_low", self.clip_low, positive=True)
+        _check_number(owner, "clip_high", self.clip_high, positive=True)
+
+
+@dataclass
+class GRPOConfig(ClippedRatioConfig):
+    """GRPO: group-normalised advantage, token-level PPO clip eps = 0.2 (verl default token-mean)."""
+
+
+@dataclass
+class DAPOConfig(ClippedRatioConfig):
+    """DAPO (Yu et al. 2025, arXiv:2503.14476): clip-higher (0.2, 0.28), token-mean over the batch.
+
+    Data-side options (the engine applies them with ``dapo_filter_groups`` / ``overlong_penalty``):
+    dynamic_sampling:        drop groups whose rewards are all equal (DAPO Eq. 11 constraint).
+    overlong_buffer_len:     soft overlong punishment window L_cache (DAPO Eq. 13); None = off.
+    overlong_penalty_factor: the penalty reached at the maximum length.
+    """
+
+    clip_high: float = 0.28
+    dynamic_sampling: bool = True
+    overlong_buffer_len: Optional[int] = None
+    overlong_penalty_factor: float = 1.0
+
+    def validate(self) -> None:
+        super().validate()
+        owner = type(self).__name__
+        _check_bool(owner, "dynamic_sampling", self.dynamic_sampling)
+        if self.overlong_buffer_len is not None and (
+            isinstance(self.overlong_buffer_len, bool)
+            or not isinstance(self.overlong_buffer_len, int)
+            or self.overlong_buffer_len <= 0
+        ):
+            raise ValueError(
+                f"{owner}.overlong_buffer_len must be a positive integer or None, "
+                f"got {self.overlong_buffer_len!r}"
+            )
+        _check_number(owner, "overlong_penalty_factor", self.overlong_penalty_factor, non_negative=True)
+
+
+@dataclass
+class GSPOConfig(ClippedRatioConfig):
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): sequence ratio clipped to (1 - 3e-4, 1 + 4e-4).
+
+    log_ratio_clamp: upper clamp on log s_i before exp (verl's GSPO uses 10); None = off.
+    """
+
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    loss_agg_mode: str = "seq-mean-token-mean"
+    log_ratio_clamp: Optional[float] = 10.0
+
+    def validate(self) -> None:
+        super().validate()
+        _check_number(type(self).__name__, "log_ratio_clamp", self.log_ratio_clamp,
+                      positive=True, optional=True)
+
+
+@dataclass
+class GMPOConfig(ClippedRatioConfig):
+    """GMPO (Zhao et al. 2025, arXiv:2507.20673): token log-ratios clipped to (-0.4, 0.4).
+
+    Here clip_low / clip_high are bounds in LOG space: log r_t is clipped to [-clip_low, clip_high].
+    """
+
+    clip_low: float = 0.4
+    clip_high: float = 0.4
+    loss_agg_mode: str = "seq-mean-token-mean"
+
+
+@dataclass
+class CISPOConfig(ClippedRatioConfig):
+    """CISPO (MiniMax-M1, arXiv:2506.13585, Eq. 4-5): sg(clip(r)) * A * log pi, token-mean.
+
+    [choice] MiniMax leave the lower bound unset: clip_low = 1.0 (weights never below 0);
+    clip_high = 0.28 (DAPO's upper bound, tune per task).
+    """
+
+    clip_low: float = 1.0
+    clip_high: float = 0.28
+
+
+@dataclass
+class GPGConfig(GroupBaselineConfig):
+    """GPG (Chu et al. 2025, arXiv:2504.02546): A = alpha * (R - mean), loss -A log pi.
+
+    norm_by_std defaults to False (GPG's F_norm = 1).
+    """
+
+    norm_by_std: bool = False
+
+
+@dataclass
+class QuatroConfig(AlgorithmConfig):
+    """QUATRO (quatro-math.md Sec. 2-4).
+
+    delta:           per-query trust-region radius (Eq. 11); > 0.
+    lambda_min:      floor on lambda RELATIVE to the group's reward range (max - min); queries
+                     whose constraint cannot bind at this floor are clamped and counted in
+                     ``quatro/tr_inactive_frac`` [choice]. Bounds |A| by about 1 / lambda_min.
+    log_ratio:       the detached statistic g_i in ``-(1/N) sum s_i (A_i - sg[g_i])`` (Eq. 17):
+                     ``seq_sum`` (trajectory log-ratio, default), ``seq_mean`` (length-normalised),
+                     or ``none`` (the paper's ablation without the log-ratio term).
+    log_ratio_clamp: optional upper clamp on log s_i before exp (safety, off by default).
+    clip_low / clip_high: optional GSPO-style clip of s_i; both None (default) or both set.
+    solver_max_iter: iteration cap of the safeguarded Newton dual solver.
+    """
+
+    delta: float = 0.1
+    lambda_min: float = DEFAULT_LAMBDA_MIN
+    log_ratio: str = "seq_sum"
+    log_ratio_clamp: Optional[float] = None
+    clip_low: Optional[float] = None
+    clip_high: Optional[float] = None
+    loss_agg_mode: str = "seq-mean-token-mean"
+    solver_max_iter: int = 100
+
+    def validate(self) -> None:
+        super().validate()
+        owner = type(self).__name__
+        _check_number(owner, "delta", self.delta, positive=True)
+        _check_number(owner, "lambda_min", self.lambda_min, positive=True)
+        _check_choice(owner, "log_ratio", self.log_ratio, QUATRO_LOG_RATIOS)
+        _check_number(owner, "log_ratio_clamp", self.log_ratio_clamp, positive=True, optional=True)
+        _check_number(owner, "clip_low", self.clip_low, positive=True, optional=True)
+        _check_number(owner, "clip_high", self.clip_high, positive=True, optional=True)
+        if (self.clip_low is None) != (self.clip_high is None):
+            raise ValueError(f"{owner}.clip_low and {owner}.clip_high must both be set or both be None")
+        if isinstance(self.solver_max_iter, bool) or not isinstance(self.solver_max_iter, int) \
+                or self.solver_max_iter < 1:
+            raise ValueError(f"{owner}.solver_max_iter must be a positive integer, got {self.solver_max_iter!r}")

@@ -1,0 +1,105 @@
+"""Registries by name: advantage estimators, policy losses, and algorithms.
+
+Adding an algorithm is one decorated function (verl's ``register_adv_est`` /
+``register_policy_loss`` pattern) plus one row in ``ALGORITHMS``; the training loop looks
+everything up by name and never branches on it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Mapping, Tuple, Type
+
+from quatro_nemo.algos.config import (
+    AlgorithmConfig,
+    CISPOConfig,
+    DAPOConfig,
+    GMPOConfig,
+    GPGConfig,
+    GRPOConfig,
+    GSPOConfig,
+    QuatroConfig,
+)
+
+ADVANTAGE_ESTIMATORS: Dict[str, Callable] = {}
+POLICY_LOSSES: Dict[str, Callable] = {}
+
+
+def register_advantage_estimator(name: str) -> Callable[[Callable], Callable]:
+    def decorate(fn: Callable) -> Callable:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} registered twice")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+    return decorate
+
+
+def register_policy_loss(*names: str) -> Callable[[Callable], Callable]:
+    """Register one loss function under one or more names (e.g. GRPO and DAPO share PPO clip)."""
+    def decorate(fn: Callable) -> Callable:
+        for name in names:
+            if name in POLICY_LOSSES:
+                raise ValueError(f"policy loss {name!r} registered twice")
+            POLICY_LOSSES[name] = fn
+        return fn
+    return decorate
+
+
+def _lookup(table: Dict[str, Any], kind: str, name: str) -> Any:
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; known: {sorted(table)}")
+    return table[name]
+
+
+def get_advantage_estimator(name: str) -> Callable:
+    """``estimator(rewards [B, N], config) -> AdvantageOutput(advantages [B, N], metrics)``."""
+    return _lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+
+def get_policy_loss(name: str) -> Callable:
+    """``loss_fn(logprobs, old_logprobs, advantages, response_mask, config, normalizer,
+    ref_logprobs=None, entropy=None) -> (loss, metrics)`` (docs/interfaces.md)."""
+    return _lookup(POLICY_LOSSES, "policy loss", name)
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """One algorithm = (advantage estimator, policy loss, config class)."""
+
+    name: str
+    advantage_estimator: Callable
+    policy_loss: Callable
+    config_cls: Type[AlgorithmConfig]
+
+
+# name -> (advantage estimator name, policy loss name, config class)   (quatro-math.md Sec. 5)
+ALGORITHMS: Dict[str, Tuple[str, str, Type[AlgorithmConfig]]] = {
+    "quatro": ("quatro", "quatro", QuatroConfig),
+    "grpo": ("grpo", "grpo", GRPOConfig),
+    "gspo": ("grpo", "gspo", GSPOConfig),
+    "gmpo": ("grpo", "gmpo", GMPOConfig),
+    "dapo": ("grpo", "dapo", DAPOConfig),
+    "cispo": ("grpo", "cispo", CISPOConfig),
+    "gpg": ("gpg", "gpg", GPGConfig),
+}
+
+
+def get_algorithm(name: str) -> AlgorithmSpec:
+    estimator_name, loss_name, config_cls = _lookup(ALGORITHMS, "algorithm", name)
+    return AlgorithmSpec(
+        name=name,
+        advantage_estimator=get_advantage_estimator(estimator_name),
+        policy_loss=get_policy_loss(loss_name),
+        config_cls=config_cls,
+    )
+
+
+def build_algorithm(section: Mapping[str, Any], source: str = "algorithm") -> Tuple[AlgorithmSpec, AlgorithmConfig]:
+    """From an ``algorithm:`` config section ``{name: ..., <config fields>}``: (spec, validated config).
+
+    Unknown keys raise ValueError naming them and ``source``.
+    """
+    values = dict(section.items())
+    if "name" not in values:
+        raise ValueError(f"{source}.name is required; one of {sorted(ALGORITHMS)}")
+    spec = get_algorithm(values.pop("name"))
+    return spec, spec.config_cls.from_dict(values, source=source)

@@ -1,0 +1,34 @@
+"""Data-side pieces of DAPO (arXiv:2503.14476), as pure functions the engine calls on rollouts."""
+from __future__ import annotations
+
+import torch
+
+from quatro_nemo.algos.dual import check_rewards
+
+
+def dapo_filter_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """Dynamic sampling (DAPO Eq. 11, ``0 < |{o_i correct}| < G``): keep mask ``[B]`` of the
+    groups whose N rewards are NOT all equal (those carry a non-zero group-relative advantage).
+
+    rewards: [B, N] finite (ValueError naming bad rows otherwise).
+    """
+    check_rewards(rewards)
+    return ~(rewards == rewards[:, :1]).all(dim=1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, cache_len: int, factor: float = 1.0) -> torch.Tensor:
+    """Soft overlong punishment (DAPO Eq. 13), added to the reward of each response:
+
+        0                                      if |y| <= L_max - L_cache
+        ((L_max - L_cache) - |y|) / L_cache * factor   if L_max - L_cache < |y| <= L_max
+        -factor                                if |y| > L_max
+
+    lengths: [S] response lengths (tokens); returns float [S] penalties in [-factor, 0].
+    """
+    if not (isinstance(max_len, int) and isinstance(cache_len, int) and 0 < cache_len <= max_len):
+        raise ValueError(f"overlong_penalty needs integers 0 < cache_len <= max_len, got cache_len={cache_len!r}, max_len={max_len!r}")
+    if factor < 0:
+        raise ValueError(f"overlong_penalty factor must be >= 0, got {factor!r}")
+    expected = max_len - cache_len
+    excess = lengths.to(torch.float64) - expected
+    return (-excess.clamp(min=0.0) / cache_len * factor).clamp(min=-factor)

@@ -1,0 +1,108 @@
+"""Held-out evaluation during training: n samples per problem -> reward, Pass@k, UCC@k, entropy.
+
+The metric definitions live in quatro_nemo.eval (quatro-math.md Sec. 6); this module only draws
+the samples with the rollout backend, scores them, and reduces per-problem statistics over the
+data-parallel ranks. Each evaluation uses the same sampling noise (keyed by the problem, not the
+step), so differences between evaluations come from the policy, not the draw.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from quatro_nemo.eval.passk import pass_at_k, power_of_two_ks, ucc_at_k, unique_correct_ratio
+from quatro_nemo.eval.similarity import cluster_near_duplicates
+from quatro_nemo.megatron import parallel
+from quatro_nemo.megatron.forward import compute_logprobs
+from quatro_nemo.megatron.sampling import SamplingParams
+
+EVAL_SEED_TAG = 7919  # separates the evaluation noise stream from the training one
+
+
+def _dp_all_gather_objects(obj: Any) -> List[Any]:
+    if parallel.dp_size() == 1:
+        return [obj]
+    out: List[Any] = [None] * parallel.dp_size()
+    dist.all_gather_object(out, obj, group=parallel.dp_group())
+    return out
+
+
+def cluster_sizes(problem: Dict[str, Any], correct_responses: Sequence[str], criterion: str,
+                  threshold: float, solution_key=None) -> List[int]:
+    """Sizes of the clusters of distinct correct solutions of one problem.
+
+    criterion "task" uses the task's canonical form of a solution (e.g. Countdown steps up to
+    reordering); the others are quatro_nemo.eval.similarity metrics with a threshold."""
+    if not correct_responses:
+        return []
+    if criterion == "task":
+        if solution_key is None:
+            raise ValueError("eval.ucc_criterion=task needs a task that defines a canonical solution form")
+        counts: Dict[str, int] = {}
+        for response in correct_responses:
+            key = solution_key(problem, response)
+            counts[key] = counts.get(key, 0) + 1
+        return sorted(counts.values(), reverse=True)
+    return cluster_near_duplicates(list(correct_responses), criterion, threshold)
+
+
+def evaluate_policy(policy, backend, task, problems: Sequence[Dict[str, Any]], cfg,
+                    samples_path: Optional[str] = None) -> Dict[str, Any]:
+    """Sample cfg.eval.n_samples responses for each problem and compute the held-out metrics.
+
+    Collective over all ranks. Returns the same metrics dict on every rank; with `samples_path`
+    rank 0 also writes the samples (the JSONL recipes/evaluate.py reads)."""
+    ev = cfg.eval
+    n = ev.n_samples
+    dp, dp_rank = parallel.dp_size(), parallel.dp_rank()
+    per_rank = -(-len(problems) // dp)
+    mine = list(range(dp_rank * per_rank, min(len(problems), (dp_rank + 1) * per_rank)))
+    local_problems = [problems[i] for i in mine]
+    rows: List[Dict[str, Any]] = []
+    entropy_sum = token_count = 0.0
+    if local_problems:
+        params = SamplingParams(temperature=ev.temperature, top_p=ev.top_p,
+                                max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed + EVAL_SEED_TAG)
+        rollout, responses = task.sample(backend, local_problems, mine, n, params)
+        rewards = task.verifier.score_batch([p for p in local_problems for _ in range(n)], responses)
+        batch = {"tokens": rollout.tokens, "position_ids": rollout.position_ids}
+        _, entropy = compute_logprobs(policy, batch, cfg.parallel.micro_batch_size)
+        mask = rollout.response_mask.float()
+        entropy_sum, token_count = float((entropy * mask).sum()), float(mask.sum())
+        for j, problem in enumerate(local_problems):
+            texts = responses[j * n:(j + 1) * n]
+            scores = rewards[j * n:(j + 1) * n]
+            correct = [t for t, r in zip(texts, scores) if r >= 1.0]
+            rows.append({"id": problem["id"], "benchmark": problem.get("benchmark", "heldout"),
+                         "answer": problem.get("answer"), "responses": list(texts), "rewards": list(scores),
+                         "num_correct": len(correct),
+                         "cluster_sizes": cluster_sizes(problem, correct, ev.ucc_criterion, ev.ucc_threshold,
+                                                        task.solution_key)})
+    gathered = _dp_all_gather_objects((rows, entropy_sum, token_count))
+    rows = [row for part, _, _ in gathered for row in part]
+    entropy_total = sum(e for _, e, _ in gathered)
+    tokens_total = sum(t for _, _, t in gathered)
+
+    correct_counts = np.array([row["num_correct"] for row in rows])
+    metrics: Dict[str, Any] = {
+        "reward/mean": float(np.mean([np.mean(row["rewards"]) for row in rows])),
+        "entropy": entropy_total / max(tokens_total, 1.0),
+        "response_length/mean": tokens_total / max(len(rows) * n, 1),
+        "num_problems": len(rows),
+        "n_samples": n,
+    }
+    for k in power_of_two_ks(n):
+        metrics[f"pass@{k}"] = float(pass_at_k(n, correct_counts, k).mean())
+        metrics[f"ucc@{k}"] = float(np.mean([ucc_at_k(n, row["cluster_sizes"], k) for row in rows]))
+    metrics["ucr"] = float(np.mean([unique_correct_ratio(n, len(row["cluster_sizes"])) for row in rows]))
+    if samples_path and parallel.is_rank_zero():
+        os.makedirs(os.path.dirname(samples_path), exist_ok=True)
+        with open(samples_path, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return metrics

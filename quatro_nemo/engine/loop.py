@@ -1,0 +1,414 @@
+"""The RL training loop, top to bottom (architecture.md, "One training step").
+
+    for step in steps:
+        prompts      <- B prompts of the training set (a function of (seed, step): exact resume)
+        rollouts     <- N responses per prompt from pi_old                 (rollout backend)
+        rewards      <- verifier(prompt, response)                         [B, N]
+        advantages   <- registry estimator(rewards)   (QUATRO: exact per-prompt dual, Eq. 11-15)
+        log pi_old, log pi_ref <- Megatron forward under TP/PP
+        repeat K times (inner loops; pi_old stays the rollout policy):
+            for each mini-batch: Megatron forward/backward of the registry loss with GLOBAL
+                                 normalisers -> DP grad all-reduce -> clip -> AdamW step
+        metrics -> metrics.jsonl / TensorBoard; checkpoint; periodic held-out evaluation
+
+Every algorithm runs through this same function: only `spec.advantage_estimator`, `spec.policy_loss`
+and the config differ. Data parallelism splits each mini-batch's prompts across DP ranks (a group of
+N responses never straddles ranks), so the optimizer sees the same global batch in any layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+import warnings
+import zlib
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from quatro_nemo.algos import ALGORITHMS, dapo_filter_groups, get_algorithm, overlong_penalty
+from quatro_nemo.engine import checkpoint as ckpt
+from quatro_nemo.engine.config import ExperimentConfig
+from quatro_nemo.engine.evaluation import evaluate_policy
+from quatro_nemo.engine.logging import MetricsLogger
+from quatro_nemo.engine.report import write_report
+from quatro_nemo.engine.rollout import get_rollout_backend
+from quatro_nemo.engine.task import Task, build_task
+from quatro_nemo.megatron.sampling import SamplingParams
+from quatro_nemo.megatron import parallel
+from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+from quatro_nemo.megatron.models import ModelConfig, build_model
+from quatro_nemo.megatron.checkpoint import load_full_state_dict
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpoint saved, requeue me (docs/interfaces.md)
+
+
+class Preempted(RuntimeError):
+    """Raised after a SIGUSR1/SIGTERM-triggered checkpoint; the entry point exits with 75."""
+
+
+# --------------------------------------------------------------------------------------------
+# Small pieces the loop reads through
+# --------------------------------------------------------------------------------------------
+
+
+class PreemptionFlag:
+    """SIGUSR1 / SIGTERM set a flag; the loop checkpoints at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.signal_name: Optional[str] = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def any_rank_signalled(self) -> bool:
+        """True on every rank if any rank was signalled (a collective)."""
+        flag = torch.tensor([1.0 if self.signal_name else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def step_prompt_indices(step: int, batch_size: int, dataset_size: int, seed: int) -> List[int]:
+    """Indices of the B prompts of rollout step `step`: epochs of seeded permutations, so the data
+    position is a pure function of the step (nothing to save for exact resume)."""
+    indices: List[int] = []
+    position = step * batch_size
+    while len(indices) < batch_size:
+        epoch, offset = divmod(position, dataset_size)
+        order = list(range(dataset_size))
+        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
+        take = min(batch_size - len(indices), dataset_size - offset)
+        indices.extend(order[offset:offset + take])
+        position += take
+    return indices
+
+
+def local_prompt_slots(batch_size: int, mini_batch_size: int, dp_rank: int, dp_size: int) -> List[int]:
+    """Positions (in the step's global prompt list) this DP rank rolls out and trains on.
+
+    Mini-batch m holds global positions [m*M, (m+1)*M); each DP rank owns an equal contiguous share
+    of every mini-batch, so each optimizer step sees the whole mini-batch across ranks.
+    """
+    share = mini_batch_size // dp_size
+    slots = []
+    for start in range(0, batch_size, mini_batch_size):
+        slots.extend(range(start + dp_rank * share, start + (dp_rank + 1) * share))
+    return slots
+
+
+def all_gather_dp(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """Every DP rank's `tensor` (same shape on all ranks), in DP-rank order."""
+    size = parallel.dp_size()
+    if size == 1:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=parallel.dp_group())
+    return parts
+
+
+def dp_sum(value: torch.Tensor) -> float:
+    """Sum of a scalar over data-parallel ranks."""
+    total = value.detach().double().reshape(1).clone()
+    if parallel.dp_size() > 1:
+        dist.all_reduce(total, group=parallel.dp_group())
+    return float(total)
+
+
+def global_rewards(local_rewards: torch.Tensor, batch_size: int, mini_batch_size: int) -> torch.Tensor:
+    """[B, N] rewards in global prompt order from each DP rank's [B/dp, N] share."""
+    dp = parallel.dp_size()
+    out = torch.empty(batch_size, local_rewards.shape[1], dtype=local_rewards.dtype)
+    for rank, part in enumerate(all_gather_dp(local_rewards)):
+        out[local_prompt_slots(batch_size, mini_batch_size, rank, dp)] = part
+    return out
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the gradient over every model-parallel shard (TP and PP), then clip.
+
+    Each logical parameter counts once: TP-duplicated parameters (norms, row-parallel biases) only on
+    TP rank 0, and the last stage's copy of a tied embedding (megatron marks it `shared`) not at all.
+    Gradients are identical across DP ranks after the DP all-reduce, so no DP reduction is needed."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    square_sum = torch.zeros(1, dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+            square_sum += p.grad.double().pow(2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(square_sum, group=ps.get_model_parallel_group())
+    total_norm = square_sum.sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0).float()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return total_norm.float()
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 31-bit seed from (run seed, purpose, step): independent noise streams, no state to save."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def length_penalty(rollout, algo_cfg, max_new_tokens: int) -> torch.Tensor:
+    """[B_local, N] reward shaping for configs with an overlong buffer (DAPO Eq. 13), else zeros."""
+    lengths = rollout.sample.response_lengths.view(rollout.num_prompts, rollout.num_samples)
+    buffer = getattr(algo_cfg, "overlong_buffer_len", None)
+    if not buffer:
+        return torch.zeros(lengths.shape, dtype=torch.float64)
+    return overlong_penalty(lengths, max_new_tokens, min(buffer, max_new_tokens), algo_cfg.overlong_penalty_factor)
+
+
+def kept_groups(rewards: torch.Tensor, algo_cfg) -> torch.Tensor:
+    """[B] 1/0 weights of the groups that enter the loss: DAPO's dynamic sampling (Eq. 11) drops
+    groups whose rewards are all equal, so they do not dilute the token-mean normaliser. (DAPO also
+    over-samples to refill the batch; here the batch simply shrinks.)"""
+    if getattr(algo_cfg, "dynamic_sampling", False):
+        return dapo_filter_groups(rewards).float()
+    return torch.ones(rewards.shape[0])
+
+
+def make_batch(rollout, advantages: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The Megatron batch layout of docs/interfaces.md."""
+    return {
+        "tokens": rollout.tokens,
+        "position_ids": rollout.position_ids,
+        "response_mask": rollout.response_mask.float(),
+        "advantages": advantages.float(),
+    }
+
+
+def slice_batch(batch: Dict[str, torch.Tensor], rows: slice) -> Dict[str, torch.Tensor]:
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((values * mask).sum() / mask.sum().clamp(min=1))
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+
+def quiet_library_warnings() -> None:
+    """Megatron warns at import about optional CUDA packages (TE, Apex) and deprecated defaults."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", message=r".*requires_grad=True to a scalar.*")
+    warnings.filterwarnings("ignore", message=r".*non-contiguous.*")
+
+
+def train(cfg: ExperimentConfig) -> Dict[str, Any]:
+    quiet_library_warnings()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    layout = parallel.initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.run.seed)
+    rank0 = layout.rank == 0
+    run_dir = cfg.run.dir
+    spec = get_algorithm(cfg.algorithm_name)
+    loss_name = ALGORITHMS[cfg.algorithm_name][1]
+    trainer, rollout_cfg = cfg.trainer, cfg.rollout
+    batch_size = trainer.prompts_per_step
+    mini_batch_size = trainer.mini_batch_prompts or batch_size
+    dp, dp_rank = layout.data_parallel, layout.dp_rank
+    if mini_batch_size % dp != 0:
+        raise ValueError(f"trainer.mini_batch_prompts ({mini_batch_size}) must be divisible by the "
+                         f"data-parallel size ({dp})")
+    _write_run_files(cfg, layout)
+
+    # Task: prompts, tokenizer, verifier, and the base model (warm-start on the CPU default).
+    task: Task = build_task(cfg)
+    model_cfg = ModelConfig(**dict(cfg.model, vocab_size=cfg.model.get("vocab_size") or task.vocab_size))
+    base_state = task.load_base_state(model_cfg)    # full (TP=1, PP=1) state dict, same on all ranks
+
+    policy = build_model(model_cfg)
+    load_full_state_dict(policy, base_state)
+    reference = None
+    if getattr(cfg.algorithm, "beta", 0.0) > 0:
+        reference = build_model(model_cfg)
+        load_full_state_dict(reference, base_state)
+        reference.requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=trainer.lr, betas=(trainer.adam_beta1, trainer.adam_beta2),
+                                  eps=trainer.adam_eps, weight_decay=trainer.weight_decay)
+    warmup = max(trainer.lr_warmup_steps, 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    backend = get_rollout_backend(rollout_cfg.backend, model=policy, eos_id=task.eos_id, pad_id=task.pad_id)
+
+    # Resume.
+    ckpt_layout = {"world_size": layout.world_size, "tensor": layout.tensor_parallel,
+                   "pipeline": layout.pipeline_parallel, "data": layout.data_parallel}
+    start_step = 0
+    resume_from = ckpt.latest_step(run_dir) if cfg.run.resume else None
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(run_dir, resume_from, ckpt_layout)
+        policy.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step = state["next_step"]
+    logger = MetricsLogger(run_dir, enabled=rank0, resumed_step=resume_from, tensorboard=cfg.logging.tensorboard,
+                           wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
+                           config=OmegaConf.to_container(cfg.raw, resolve=True))
+    preemption = PreemptionFlag()
+    if rank0:
+        print(f"[quatro] {cfg.algorithm_name} | world {layout.world_size} (tp {layout.tensor_parallel}, "
+              f"pp {layout.pipeline_parallel}, dp {dp}) | steps {start_step}->{trainer.steps} | run dir {run_dir}",
+              flush=True)
+
+    heldout = task.heldout_problems[:cfg.eval.num_problems]
+
+    def evaluate(step: int) -> Dict[str, Any]:
+        samples_path = os.path.join(run_dir, "eval", f"samples_step{step:06d}.jsonl")
+        eval_metrics = evaluate_policy(policy, backend, task, heldout, cfg, samples_path)
+        logger.log(step, eval_metrics, kind="eval")
+        return eval_metrics
+
+    if start_step == 0 and cfg.eval.num_problems > 0:
+        evaluate(0)   # the base model's held-out numbers, the report's "before" column
+
+    slots = local_prompt_slots(batch_size, mini_batch_size, dp_rank, dp)
+    local_mini = mini_batch_size // dp
+    progress = _progress_bar(cfg, rank0, start_step)
+    for step in range(start_step, trainer.steps):
+        t_start = time.perf_counter()
+
+        # 1. Prompts of this step; this DP rank's share.
+        indices = step_prompt_indices(step, batch_size, len(task.train_problems), cfg.run.seed)
+        problems = [task.train_problems[indices[s]] for s in slots]
+
+        # 2. Rollouts: N responses per prompt from pi_old (sampling noise keyed by global slot, so
+        #    every layout draws the same responses).
+        params = SamplingParams(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                                max_new_tokens=rollout_cfg.max_new_tokens,
+                                seed=derive_seed(cfg.run.seed, "rollout", step))
+        rollout, responses = task.sample(backend, problems, slots, rollout_cfg.n, params)
+        t_rollout = time.perf_counter()
+
+        # 3. Rewards [B_local, N] -> global [B, N] (advantage estimators may use batch statistics).
+        local_rewards = torch.tensor(task.verifier.score_batch(
+            [p for p in problems for _ in range(rollout_cfg.n)], responses),
+            dtype=torch.float64).view(len(problems), rollout_cfg.n)
+        rewards = global_rewards(local_rewards, batch_size, mini_batch_size)
+        shaped = global_rewards(local_rewards + length_penalty(rollout, cfg.algorithm, rollout_cfg.max_new_tokens),
+                                batch_size, mini_batch_size)
+
+        # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
+        advantage_out = spec.advantage_estimator(shaped, cfg.algorithm)
+        advantages = advantage_out.advantages[slots].reshape(-1)
+
+        # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
+        batch = make_batch(rollout, advantages)
+        batch["response_mask"] = batch["response_mask"] * kept_groups(shaped, cfg.algorithm)[slots].repeat_interleave(
+            rollout_cfg.n)[:, None]
+        with torch.no_grad():
+            batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, cfg.parallel.micro_batch_size)
+            if reference is not None:
+                batch["ref_logprobs"], _ = compute_logprobs(reference, batch, cfg.parallel.micro_batch_size)
+        t_logprobs = time.perf_counter()
+
+        # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
+        update_metrics: List[Dict[str, float]] = []
+        rows_per_mini = local_mini * rollout_cfg.n
+        for _inner in range(trainer.inner_loops):
+            for start in range(0, len(problems) * rollout_cfg.n, rows_per_mini):
+                mini = slice_batch(batch, slice(start, start + rows_per_mini))
+                if dp_sum(mini["response_mask"].sum()) == 0:
+                    continue  # every group of this mini-batch was filtered out (dynamic sampling)
+                optimizer.zero_grad(set_to_none=False)
+                metrics = train_step_forward_backward(policy, mini, loss_name, cfg.algorithm,
+                                                      cfg.parallel.micro_batch_size)
+                metrics["grad_norm"] = float(clip_grad_norm(policy, trainer.grad_clip))
+                optimizer.step()
+                scheduler.step()
+                backend.update_weights()
+                update_metrics.append(metrics)
+        t_update = time.perf_counter()
+
+        # 7. Metrics (identical on every rank), checkpoint, evaluation.
+        metrics = _step_metrics(rewards, advantage_out.metrics, update_metrics, rollout, old_entropy)
+        metrics.update({"lr": scheduler.get_last_lr()[0], "time/rollout": t_rollout - t_start,
+                        "time/logprobs": t_logprobs - t_rollout, "time/update": t_update - t_logprobs,
+                        "time/step": time.perf_counter() - t_start})
+        if (step + 1) % trainer.log_every == 0 or step + 1 == trainer.steps:
+            logger.log(step + 1, metrics)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.1f}")
+
+        done = step + 1 == trainer.steps
+        if cfg.eval.num_problems > 0 and (done or trainer.eval_every and (step + 1) % trainer.eval_every == 0):
+            evaluate(step + 1)   # before the checkpoint: a resumed run never redoes a logged record
+        preempted = preemption.any_rank_signalled()
+        if done or preempted or (trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0):
+            state = {"model": policy.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "next_step": step + 1}
+            ckpt.save_checkpoint(run_dir, step + 1, state, ckpt_layout, keep=trainer.keep_checkpoints)
+        if preempted and not done:
+            logger.close()
+            raise Preempted(f"{preemption.signal_name or 'signal on another rank'} at step {step + 1}")
+
+    if progress is not None:
+        progress.close()
+    logger.close()
+    summary: Dict[str, Any] = {}
+    if rank0:
+        summary = write_report(run_dir, cfg, task.properties)
+        print(f"[quatro] done: report at {os.path.join(run_dir, 'report.md')}", flush=True)
+    return summary
+
+
+def _step_metrics(rewards, advantage_metrics, update_metrics, rollout, old_entropy) -> Dict[str, float]:
+    """Per-step training metrics, reduced identically on every rank."""
+    out: Dict[str, float] = {
+        "reward/mean": float(rewards.mean()),
+        "reward/solved_frac": float((rewards.max(dim=1).values > 0).float().mean()),
+    }
+    out.update({k: float(v) for k, v in advantage_metrics.items()})
+    out["optimizer_steps"] = len(update_metrics)
+    for key in (update_metrics[0] if update_metrics else []):  # mean over the step's updates (max/min for extrema)
+        values = [m[key] for m in update_metrics]
+        out[key] = max(values) if key.endswith("/max") else (
+            min(values) if key.endswith("/min") else sum(values) / len(values))
+    mask = rollout.response_mask.float()  # every sampled token, including filtered groups
+    local = torch.tensor([float((old_entropy * mask).sum()), float(mask.sum()), float(mask.shape[0])],
+                         dtype=torch.float64)
+    if dist.is_initialized() and parallel.dp_size() > 1:
+        dist.all_reduce(local, group=parallel.dp_group())
+    out["entropy"] = float(local[0] / local[1].clamp(min=1))
+    out["response_length/mean"] = float(local[1] / local[2])
+    return out
+
+
+def _progress_bar(cfg: ExperimentConfig, rank0: bool, start_step: int):
+    if not (rank0 and cfg.run.progress_bar and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.trainer.steps, initial=start_step, desc=f"{cfg.algorithm_name}", unit="step")
+
+
+def _write_run_files(cfg: ExperimentConfig, layout) -> None:
+    """Resolved config (rank 0) and world.json: every rank's host, pid and coordinates."""
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    me = dict(asdict(layout), host=socket.gethostname(), pid=os.getpid(),
+              master=f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}")
+    everyone: List[Any] = [None] * layout.world_size
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, me)
+    else:
+        everyone = [me]
+    if layout.rank == 0:
+        OmegaConf.save(cfg.raw, os.path.join(cfg.run.dir, "config.yaml"))
+        with open(os.path.join(cfg.run.dir, "world.json"), "w") as f:
+            json.dump(everyone, f, indent=1)

@@ -1,0 +1,78 @@
+"""The short final report of a run (report.md + report.json): base model vs trained model.
+
+Everything is read back from the run directory (metrics.jsonl and the evaluation samples), so the
+report of a resumed run is the report of the whole run.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+from quatro_nemo.engine.logging import read_metrics
+from quatro_nemo.eval.flip import flip_rate_by_bucket
+
+
+def _samples(run_dir: str, step: int) -> Optional[List[Dict[str, Any]]]:
+    path = os.path.join(run_dir, "eval", f"samples_step{step:06d}.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def write_report(run_dir: str, cfg, task_properties: Dict[str, Any]) -> Dict[str, Any]:
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    evals = [r for r in records if r["kind"] == "eval"]
+    train = [r for r in records if r["kind"] == "train"]
+    base = evals[0] if evals and evals[0]["step"] == 0 else None
+    final = evals[-1] if evals else None
+    summary: Dict[str, Any] = {"algorithm": cfg.algorithm_name, "steps": cfg.trainer.steps,
+                               "base": base, "final": final, "task": task_properties}
+
+    lines = [f"# QUATRO-nemo run report: `{cfg.algorithm_name}`", "",
+             f"Run directory `{run_dir}`; {cfg.trainer.steps} rollout steps of {cfg.trainer.prompts_per_step} "
+             f"prompts x {cfg.rollout.n} responses, K = {cfg.trainer.inner_loops} inner loop(s), lr {cfg.trainer.lr}.",
+             ""]
+    if base and final:
+        keys = [k for k in final if k.startswith(("reward/", "pass@", "ucc@", "ucr", "entropy", "response_length"))]
+        lines += [f"## Held-out evaluation ({final.get('num_problems')} problems x {final.get('n_samples')} samples)",
+                  "", "| metric | base model (step 0) | trained (step %d) | change |" % final["step"],
+                  "|---|---|---|---|"]
+        for key in keys:
+            b, f = base.get(key), final.get(key)
+            change = f - b if isinstance(b, (int, float)) and isinstance(f, (int, float)) else ""
+            lines.append(f"| {key} | {_fmt(b)} | {_fmt(f)} | {_fmt(change) if change != '' else ''} |")
+        summary["heldout_reward_improvement"] = final["reward/mean"] - base["reward/mean"]
+        lines.append("")
+        base_samples, final_samples = _samples(run_dir, base["step"]), _samples(run_dir, final["step"])
+        if base_samples and final_samples:
+            n_base = [len(r["rewards"]) for r in base_samples]
+            n_final = [len(r["rewards"]) for r in final_samples]
+            buckets = flip_rate_by_bucket([r["num_correct"] for r in base_samples], n_base,
+                                          [r["num_correct"] for r in final_samples], n_final)
+            summary["flip_buckets"] = [b.__dict__ for b in buckets]
+            lines += ["## Difficulty buckets of the base model (flip rate, App. C.7)", "",
+                      "| bucket | problems | base-unsolved | flipped | flip rate | improved | mean pass@1 change |",
+                      "|---|---|---|---|---|---|---|"]
+            for b in buckets:
+                lines.append(f"| {b.name} [{b.low}, {b.high}) | {b.num_problems} | {b.num_base_unsolved} | "
+                             f"{b.num_flipped} | {_fmt(b.flip_rate)} | {_fmt(b.improvement_rate)} | "
+                             f"{_fmt(b.mean_pass1_delta)} |")
+            lines.append("")
+    if train:
+        lines += ["## Training", "",
+                  f"- rollout reward: first step {_fmt(train[0]['reward/mean'])}, last step {_fmt(train[-1]['reward/mean'])}",
+                  f"- policy entropy: first {_fmt(train[0]['entropy'])}, last {_fmt(train[-1]['entropy'])}",
+                  f"- mean step time: {_fmt(sum(r.get('time/step', 0.0) for r in train) / len(train))} s", ""]
+    if task_properties:
+        lines += ["## The task (measured)", "", "```json", json.dumps(task_properties, indent=1, default=str), "```", ""]
+    with open(os.path.join(run_dir, "report.md"), "w") as f:
+        f.write("\n".join(lines))
+    with open(os.path.join(run_dir, "report.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+    return summary

@@ -1,0 +1,141 @@
+"""Rollout backends: N responses per prompt from the current policy (pi_old).
+
+A backend turns ``B`` prompts into a grouped rollout of ``S = B * N`` sequences (rows
+``g*N .. g*N + N - 1`` belong to prompt ``g``; ``docs/interfaces.md``). The training loop only
+sees :class:`RolloutBackend`; which engine samples is a config choice:
+
+- ``"megatron"`` (:class:`MegatronRolloutBackend`): megatron-core's own model with a KV cache
+  (``quatro_nemo.megatron.sampling``), in the training processes, under any TP/PP/DP layout.
+  No weight copy is needed: it samples from the very parameters being trained.
+- ``"vllm"``: GPU clusters (separate issue). It would implement the same protocol, and its
+  :meth:`RolloutBackend.update_weights` would push the trained weights to the vLLM engine after
+  every optimizer step. Register it in ``_BACKENDS`` below.
+
+Determinism: the randomness of sequence ``g*N + j`` depends only on ``(params.seed, global prompt
+index, j)``, so the same global batch gives the same rollouts in every parallel layout and for
+any split of the prompts across data-parallel ranks (pass each rank's ``first_prompt_index``).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Protocol, Sequence
+
+import torch
+
+from quatro_nemo.megatron.sampling import SampleOutput, SamplingParams, generate
+
+
+@dataclass
+class RolloutBatch:
+    """A grouped rollout of ``num_prompts * num_samples`` rows (this rank's prompts).
+
+    ``sample`` holds the token tensors of ``docs/interfaces.md`` (``tokens``, ``response_mask``,
+    the sampler's ``logprobs``, lengths, ``finished``).
+    """
+
+    sample: SampleOutput
+    num_prompts: int
+    num_samples: int
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.sample.tokens
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        return self.sample.response_mask
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """``[S, L]``: ``0 .. L-1`` on every row."""
+        rows, length = self.sample.tokens.shape
+        return torch.arange(length).unsqueeze(0).expand(rows, length).contiguous()
+
+    def response_ids(self) -> List[List[int]]:
+        """Each row's response token ids (EOS included when emitted)."""
+        s = self.sample
+        return [
+            s.tokens[row, int(s.prompt_lengths[row]): int(s.prompt_lengths[row] + s.response_lengths[row])].tolist()
+            for row in range(s.tokens.shape[0])
+        ]
+
+
+class RolloutBackend(Protocol):
+    """What the training loop needs from a sampler."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams,
+                 first_prompt_index: int = 0, prompt_indices: Optional[Sequence[int]] = None) -> RolloutBatch:
+        """``num_samples`` responses for each of ``prompts`` (token ids with BOS), grouped.
+
+        ``first_prompt_index``: global index of ``prompts[0]`` in the step's global batch (data
+        parallel rank r passes ``r * len(prompts)``); or ``prompt_indices``, the global index of
+        every prompt, when a rank's prompts are not contiguous in the global batch.
+        """
+
+    def update_weights(self) -> None:
+        """Called after every optimizer step (a no-op when sampling from the trained model)."""
+
+
+def global_sequence_ids(first_prompt_index: int, num_prompts: int, num_samples: int,
+                        prompt_indices: Optional[Sequence[int]] = None) -> List[int]:
+    """Global row index ``prompt_index * num_samples + j`` of each local row, where the prompt
+    indices are ``prompt_indices`` or else ``first_prompt_index + g``."""
+    if prompt_indices is None:
+        prompt_indices = range(first_prompt_index, first_prompt_index + num_prompts)
+    elif len(prompt_indices) != num_prompts:
+        raise ValueError(f"{len(prompt_indices)} prompt_indices for {num_prompts} prompts")
+    return [index * num_samples + j for index in prompt_indices for j in range(num_samples)]
+
+
+class MegatronRolloutBackend:
+    """Samples with the training model itself (megatron-core, KV cache, any TP/PP/DP layout)."""
+
+    def __init__(self, model, eos_id: int, pad_id: int):
+        self.model = model
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+
+    def generate(self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams,
+                 first_prompt_index: int = 0, prompt_indices: Optional[Sequence[int]] = None) -> RolloutBatch:
+        if num_samples < 1:
+            raise ValueError(f"num_samples={num_samples} must be >= 1")
+        rows = [list(prompt) for prompt in prompts for _ in range(num_samples)]
+        sample = generate(
+            self.model, rows, params, eos_id=self.eos_id, pad_id=self.pad_id,
+            sequence_ids=global_sequence_ids(first_prompt_index, len(prompts), num_samples, prompt_indices),
+        )
+        return RolloutBatch(sample=sample, num_prompts=len(prompts), num_samples=num_samples)
+
+    def update_weights(self) -> None:
+        """Nothing to do: the backend samples from the parameters being trained."""
+
+
+# name -> "module:attribute" of the backend class; the vLLM backend adds one line here.
+_BACKENDS: Dict[str, str] = {
+    "megatron": "quatro_nemo.engine.rollout:MegatronRolloutBackend",
+}
+
+
+def get_rollout_backend(name: str, **kwargs) -> RolloutBackend:
+    """Build the backend registered under ``name`` (kwargs go to its constructor)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"rollout.backend={name!r}: choose one of {sorted(_BACKENDS)}")
+    module_name, attr = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module_name), attr)(**kwargs)
+
+
+def pad_to_length(sample: SampleOutput, length: int, pad_id: int) -> SampleOutput:
+    """``sample`` right-padded to ``L = length`` (e.g. the longest row over data-parallel ranks)."""
+    current = sample.tokens.shape[1]
+    if length < current:
+        raise ValueError(f"pad_to_length: length {length} < current length {current}")
+    extra = length - current
+    return SampleOutput(
+        tokens=torch.nn.functional.pad(sample.tokens, (0, extra), value=pad_id),
+        response_mask=torch.nn.functional.pad(sample.response_mask, (0, extra)),
+        logprobs=torch.nn.functional.pad(sample.logprobs, (0, extra)),
+        prompt_lengths=sample.prompt_lengths,
+        response_lengths=sample.response_lengths,
+        finished=sample.finished,
+    )

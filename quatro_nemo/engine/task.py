@@ -1,0 +1,161 @@
+"""What the training loop trains on: prompts, a tokenizer, a verifier and the base model.
+
+`build_task(cfg)` reads the `task:` section (`task.name` picks the kind):
+
+- `countdown`: the embedded CPU task (quatro_nemo.data.countdown). The base model comes from the
+  cached supervised warm-start (quatro_nemo.engine.warmstart), the same in every parallel layout.
+- `jsonl`: prompts from JSONL files of the project schema (recipes/prepare_data.py writes them),
+  a Hugging Face tokenizer, a verifier by name (math, code, countdown) and a base model from a
+  Hugging Face checkpoint (quatro_nemo.megatron.hf_conversion): the cluster configs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from quatro_nemo.rewards import get_verifier
+
+
+@dataclass
+class Task:
+    name: str
+    train_problems: List[Dict[str, Any]]
+    heldout_problems: List[Dict[str, Any]]
+    verifier: Any
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+    encode_prompt: Callable[[Dict[str, Any]], List[int]]
+    decode_response: Callable[[Sequence[int]], str]
+    load_base_state: Callable[[Any], Dict[str, torch.Tensor]]   # ModelConfig -> full state dict
+    solution_key: Optional[Callable[[Dict[str, Any], str], str]] = None
+    properties: Dict[str, Any] = field(default_factory=dict)    # shown in the run report
+
+    def sample(self, backend, problems: Sequence[Dict[str, Any]], prompt_indices: Sequence[int], n: int,
+               params) -> Tuple[Any, List[str]]:
+        """N responses per problem (grouped rows) and their decoded texts. `prompt_indices` are the
+        problems' global positions: the sampling noise of each row depends only on them."""
+        rollout = backend.generate([self.encode_prompt(p) for p in problems], n, params,
+                                   prompt_indices=list(prompt_indices))
+        return rollout, [self.decode_response(ids) for ids in rollout.response_ids()]
+
+
+@dataclass
+class JsonlTaskConfig:
+    """task.name=jsonl: the cluster setting (MATH and friends in the project's JSONL schema)."""
+
+    name: str = "jsonl"
+    train_path: str = ""        # JSONL written by recipes/prepare_data.py
+    eval_path: str = ""         # held-out JSONL evaluated during training
+    hf_checkpoint: str = ""     # Hugging Face model directory: tokenizer and base weights
+    verifier: str = "math"      # a name in quatro_nemo.rewards (math, code, countdown)
+
+
+def task_defaults(name: str) -> Dict[str, Any]:
+    """Every key of the task section for `task.name` (what the config composer starts from)."""
+    if name == "countdown":
+        from quatro_nemo.data.countdown import CountdownTaskConfig
+        from quatro_nemo.data.tokenizer import TokenizerConfig
+
+        return dict(dataclasses.asdict(CountdownTaskConfig()), name="countdown",
+                    tokenizer=dataclasses.asdict(TokenizerConfig()))
+    if name == "jsonl":
+        return dataclasses.asdict(JsonlTaskConfig())
+    raise ValueError(f"task.name={name!r}: choose one of {sorted(_TASKS)}")
+
+
+def _section(cfg_task: Dict[str, Any], cls: type, prefix: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(cfg_task) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {[f'{prefix}.{k}' for k in unknown]}; known: {sorted(known)}")
+    return cls(**cfg_task)
+
+
+def build_countdown_task(cfg) -> Task:
+    from quatro_nemo.data import countdown
+    from quatro_nemo.data.tokenizer import CharTokenizer, TokenizerConfig
+    from quatro_nemo.engine.warmstart import WarmStartConfig, load_or_train_base_model
+
+    options = {k: v for k, v in cfg.task.items() if k not in ("name", "tokenizer")}
+    task_cfg = _section(options, countdown.CountdownTaskConfig, "task")
+    tokenizer_cfg = _section(cfg.task.get("tokenizer") or {}, TokenizerConfig, "task.tokenizer")
+    warm_cfg = _section(cfg.warmstart, WarmStartConfig, "warmstart")
+    tokenizer = CharTokenizer(tokenizer_cfg)
+    train = countdown.generate_split(task_cfg, "train")
+    heldout = countdown.generate_split(task_cfg, "heldout")
+    warm_report: Dict[str, Any] = {}
+
+    def load_base_state(model_cfg) -> Dict[str, torch.Tensor]:
+        state, report = load_or_train_base_model(task_cfg, tokenizer_cfg, model_cfg, warm_cfg)
+        warm_report.update(report)
+        return state
+
+    properties = {"task": dataclasses.asdict(countdown.measure_task_properties(heldout)),
+                  "warmstart": warm_report}
+    return Task(
+        name="countdown", train_problems=train, heldout_problems=heldout, verifier=get_verifier("countdown"),
+        vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+        encode_prompt=lambda problem: tokenizer.encode_prompt(problem["prompt"]),
+        decode_response=tokenizer.decode,
+        load_base_state=load_base_state,
+        solution_key=lambda problem, response: countdown.canonical_expression(response) or response,
+        properties=properties,
+    )
+
+
+def read_jsonl(path: str) -> List[Dict[str, Any]]:
+    from quatro_nemo.data.schema import validate_record
+
+    if not os.path.isfile(path):
+        raise ValueError(f"data file not found: {path}")
+    records = []
+    with open(path) as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {line_number}: not valid JSON ({exc})") from None
+            validate_record(record, f"{path} line {line_number}")
+            records.append(record)
+    return records
+
+
+def build_jsonl_task(cfg) -> Task:
+    """Prompts from JSONL, HF tokenizer and base model (task.train_path, task.eval_path,
+    task.hf_checkpoint, task.verifier)."""
+    from transformers import AutoTokenizer
+
+    from quatro_nemo.megatron.hf_conversion import load_hf_state_as_megatron
+
+    t = dataclasses.asdict(_section(cfg.task, JsonlTaskConfig, "task"))
+    for key in ("train_path", "eval_path", "hf_checkpoint"):
+        if not t[key]:
+            raise ValueError(f"task.{key} must be set for task.name=jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(t["hf_checkpoint"])
+    eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    return Task(
+        name="jsonl", train_problems=read_jsonl(t["train_path"]), heldout_problems=read_jsonl(t["eval_path"]),
+        verifier=get_verifier(t["verifier"]), vocab_size=len(tokenizer), eos_id=eos_id, pad_id=pad_id,
+        encode_prompt=lambda problem: tokenizer.encode(problem["prompt"]),
+        decode_response=lambda ids: tokenizer.decode([i for i in ids if i != eos_id], skip_special_tokens=True),
+        load_base_state=lambda model_cfg: load_hf_state_as_megatron(t["hf_checkpoint"], model_cfg),
+    )
+
+
+_TASKS = {"countdown": build_countdown_task, "jsonl": build_jsonl_task}
+
+
+def build_task(cfg) -> Task:
+    name = (cfg.task or {}).get("name")
+    if name not in _TASKS:
+        raise ValueError(f"task.name={name!r}: choose one of {sorted(_TASKS)}")
+    return _TASKS[name](cfg)

@@ -1,0 +1,133 @@
+"""Run megatron-core on CPU over gloo: the four workarounds, in one place.
+
+megatron-core assumes CUDA in a few spots that have nothing to do with the maths. On a machine
+without CUDA (the CPU tests and the embedded CPU default), :func:`apply_cpu_compat` patches
+exactly these four, each shown necessary by switching it off (``docs/stack-facts.md``):
+
+1. **Device of new tensors.** Megatron allocates with ``device=torch.cuda.current_device()``
+   (attention buffers, RoPE, p2p shape tensors, TP gather outputs). ``torch.cuda.current_device``
+   is made to return ``"cpu"``.
+2. **Model-parallel RNG tracker.** ``DotProductAttention`` always forks the tracker's CUDA RNG
+   state, even with dropout 0, and ``model_parallel_cuda_manual_seed`` seeds CUDA. The tracker's
+   get/set state helpers and ``torch.cuda.{get,set}_rng_state`` / ``torch.cuda.manual_seed`` are
+   backed by the CPU generator.
+3. **Hard-coded CUDA tensors.** The pipeline schedules create a token counter with
+   ``device="cuda"`` (even at PP=1); the default causal mask (``attention_mask=None``) is built
+   with ``device="cuda"``; tied embeddings under PP call ``weight.data.cuda()``. A
+   ``TorchFunctionMode`` (:class:`CudaToCpuDeviceMode`) that maps CUDA devices (``device=``
+   keywords and ``Tensor.cuda()``) to the CPU is entered once for the process (forked ranks
+   inherit it). Measured overhead on a small MLP forward+backward: within timing noise.
+4. **p2p synchronisation.** ``p2p_communication`` calls ``torch.cuda.synchronize()``: a no-op.
+
+Nothing is patched when CUDA is available, and applying twice changes nothing. No other module
+of ``quatro_nemo`` may special-case the CPU: call :func:`apply_cpu_compat` (``initialize_parallel``
+does) and write device-agnostic code with :func:`current_device`.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_APPLIED = False
+
+_DEVICE_MODE: Optional["CudaToCpuDeviceMode"] = None
+
+
+def cpu_compat_needed() -> bool:
+    """True when the workarounds apply: CUDA is not available in this process."""
+    return not torch.cuda.is_available()
+
+
+def current_device() -> torch.device:
+    """The device new tensors of this rank belong on: the current CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare integer means a CUDA ordinal to torch's factory functions.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuDeviceMode(TorchFunctionMode):
+    """Maps every CUDA device a torch function is asked for to the CPU (workaround 3)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _cpu_get_rng_state(*_args, **_kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *_args, **_kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all itself.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def apply_cpu_compat() -> bool:
+    """Apply the four CPU workarounds when CUDA is unavailable. Idempotent.
+
+    Returns True when the workarounds are (now or already) in effect, False when CUDA is
+    available and nothing was patched.
+    """
+    global _APPLIED
+    if not cpu_compat_needed():
+        return False
+    if _APPLIED:
+        return True
+
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    # 1. device=torch.cuda.current_device() -> "cpu".
+    torch.cuda.current_device = lambda: "cpu"
+
+    # 2. The RNG tracker and CUDA seeding use the CPU generator.
+    mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    torch.cuda.get_rng_state = _cpu_get_rng_state
+    torch.cuda.set_rng_state = _cpu_set_rng_state
+    torch.cuda.random.get_rng_state = _cpu_get_rng_state
+    torch.cuda.random.set_rng_state = _cpu_set_rng_state
+    torch.cuda.manual_seed = _cpu_manual_seed
+
+    # 3. CUDA devices asked of torch functions are mapped to the CPU, for the whole process.
+    global _DEVICE_MODE
+    _DEVICE_MODE = CudaToCpuDeviceMode()
+    _DEVICE_MODE.__enter__()
+
+    # 4. p2p's torch.cuda.synchronize() does nothing on the CPU.
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+    _APPLIED = True
+    return True
+
+
+def cpu_compat_applied() -> bool:
+    """Whether :func:`apply_cpu_compat` has patched this process."""
+    return _APPLIED
+
+
+__all__ = [
+    "CudaToCpuDeviceMode",
+    "apply_cpu_compat",
+    "cpu_compat_applied",
+    "cpu_compat_needed",
+    "current_device",
+]

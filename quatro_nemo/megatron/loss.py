@@ -1,0 +1,132 @@
+"""The loss closure for megatron's ``forward_backward_func``, global normalisers, metric reduction.
+
+Exactness over any split of the global batch (NeMo-RL's ``global_valid_seqs/toks``):
+
+- :func:`global_loss_normalizer` counts sequences and response tokens of the whole optimizer
+  step: the local batch of this DP rank summed (all-reduce SUM) over data-parallel ranks.
+- each micro-batch's policy loss, computed with those global counts, is its additive share of the
+  full-batch loss (``docs/interfaces.md``). Megatron's schedule divides the returned loss by
+  ``num_microbatches`` (in place); :func:`make_loss_func` returns ``loss * num_microbatches`` so
+  the backward pass sees exactly the share. Data-parallel gradients must then be SUMMED, not
+  averaged (``quatro_nemo.megatron.forward.finalize_gradients``).
+- metrics are additive shares too and are summed over micro-batches and DP ranks, except keys
+  ending in ``/max`` or ``/min`` (:func:`reduce_metrics`). They are computed on the last pipeline
+  stage and broadcast to every stage.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from quatro_nemo.algos.aggregation import LossNormalizer, count_sequences, count_tokens
+
+LOSS_KEY = "loss"
+
+
+def global_loss_normalizer(response_mask: torch.Tensor, group=None) -> LossNormalizer:
+    """:class:`LossNormalizer` of the global batch from this DP rank's ``response_mask`` [S, T].
+
+    ``group``: the data-parallel group (default megatron's). One SUM all-reduce of two numbers.
+    """
+    counts = torch.stack([count_sequences(response_mask).double(), count_tokens(response_mask).double()])
+    if group is None:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    num_sequences, num_tokens = counts.tolist()
+    if num_sequences <= 0 or num_tokens <= 0:
+        raise ValueError("the global batch has no response tokens (response_mask is all zero)")
+    return LossNormalizer(num_sequences=int(num_sequences), num_tokens=float(num_tokens))
+
+
+def make_loss_func(
+    policy_loss: Callable,
+    algo_config,
+    normalizer: LossNormalizer,
+    micro_batch: Mapping[str, torch.Tensor],
+    num_microbatches: int,
+) -> Callable:
+    """Loss closure for one micro-batch, run by megatron's schedule on the last pipeline stage.
+
+    ``policy_loss`` has the registry signature of ``docs/interfaces.md``. The closure maps the
+    model's vocab-parallel logits ``[s, L, V/TP]`` to TP-complete log-probs and entropies, applies
+    the loss and returns ``(loss * num_microbatches, metrics)`` (the schedule divides by
+    ``num_microbatches``). ``metrics`` holds detached 0-dim tensors, with the micro-batch's loss
+    share under ``"loss"``.
+    """
+    from quatro_nemo.megatron.logprobs import token_logprobs_and_entropy
+
+    def loss_func(logits: torch.Tensor):
+        logprobs, entropy = token_logprobs_and_entropy(logits, micro_batch["tokens"])
+        loss, metrics = policy_loss(
+            logprobs,
+            micro_batch["old_logprobs"],
+            micro_batch["advantages"],
+            micro_batch["response_mask"],
+            algo_config,
+            normalizer,
+            ref_logprobs=micro_batch.get("ref_logprobs"),
+            entropy=entropy.detach(),
+        )
+        reported = {key: value.detach().clone() for key, value in metrics.items()}
+        if LOSS_KEY in reported:
+            raise ValueError(f"policy loss returned a metric named {LOSS_KEY!r}, which is reserved")
+        reported[LOSS_KEY] = loss.detach().clone()
+        return loss * num_microbatches, reported
+
+    return loss_func
+
+
+def _reduce_op(key: str) -> str:
+    if key.endswith("/max"):
+        return "max"
+    if key.endswith("/min"):
+        return "min"
+    return "sum"
+
+
+def reduce_metrics(per_microbatch: List[Mapping[str, torch.Tensor]], dp_group=None) -> Dict[str, float]:
+    """Reduce metric shares over micro-batches and data-parallel ranks (last stage only).
+
+    ``/max`` and ``/min`` keys reduce with max and min, every other key with sum
+    (``docs/interfaces.md``). One all-reduce per kind over ``dp_group`` (default megatron's DP
+    group); every DP rank must pass the same keys.
+    """
+    keys = sorted({key for metrics in per_microbatch for key in metrics})
+    if dp_group is None:
+        from megatron.core import parallel_state as ps
+
+        dp_group = ps.get_data_parallel_group()
+    torch_ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    local_reducers = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
+    result: Dict[str, float] = {}
+    for kind, torch_op in torch_ops.items():
+        kind_keys = [key for key in keys if _reduce_op(key) == kind]
+        if not kind_keys:
+            continue
+        values = torch.stack([
+            local_reducers[kind](torch.stack([m[key].double().reshape(()) for m in per_microbatch if key in m]))
+            for key in kind_keys
+        ])
+        if dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(values, op=torch_op, group=dp_group)
+        result.update(zip(kind_keys, values.tolist()))
+    return result
+
+
+def broadcast_from_last_stage(metrics: Optional[Dict[str, float]]) -> Dict[str, float]:
+    """Send the last pipeline stage's metrics to every stage of its pipeline group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        assert metrics is not None
+        return metrics
+    box = [metrics]
+    dist.broadcast_object_list(
+        box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+    )
+    return box[0]

@@ -1,0 +1,257 @@
+"""Model builders: a typed :class:`ModelConfig` -> this rank's megatron-core ``GPTModel`` stage.
+
+Two architectures, both megatron-core ``GPTModel``s:
+
+- ``"gpt"``: the tiny CPU model. LayerNorm, GELU MLP, biases everywhere, learned absolute
+  position embeddings.
+- ``"qwen2"``: a Qwen2-style decoder (Qwen2 / Qwen2.5-Math, https://arxiv.org/abs/2407.10671):
+  RMSNorm, SwiGLU MLP without biases, bias only on Q/K/V, grouped-query attention
+  (``num_query_groups``), RoPE with ``rotary_base``, tied or untied embeddings.
+
+The layer spec is megatron-core's local (pure PyTorch) spec unless Transformer Engine imports
+(GPU clusters), then the TE spec. Weights are always initialised on the CPU
+(``use_cpu_initialization=True``) from the seed set by ``initialize_parallel``: the TP shards are
+then exact slices of the TP=1 weights, which the equivalence tests rely on.
+
+Differences between megatron-core versions (0.10 in the NeMo-Aligner container, 0.16 here) are
+handled only in :func:`_layer_spec` and :func:`_transformer_config_kwargs`.
+
+:func:`global_parameter_name` names this rank's parameters as in the full (TP=1, PP=1) model;
+TP slicing and gathering of full tensors live in :mod:`quatro_nemo.megatron.checkpoint`.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+ARCHITECTURES = ("gpt", "qwen2")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    """Shape and flavour of a decoder. ``architecture`` fills the flavour defaults left as None.
+
+    Validated in ``__post_init__``; a bad value raises ``ValueError`` naming the field.
+    """
+
+    vocab_size: int = 64
+    hidden_size: int = 32
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # None: = num_attention_heads (no GQA)
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
+    max_position_embeddings: int = 64
+    architecture: str = "gpt"
+    # Flavour switches: None takes the architecture's default (see ARCHITECTURE_DEFAULTS).
+    normalization: Optional[str] = None  # "LayerNorm" | "RMSNorm"
+    swiglu: Optional[bool] = None
+    qkv_bias: Optional[bool] = None
+    linear_bias: Optional[bool] = None  # biases on the other linear layers
+    position_embedding: Optional[str] = None  # "learned_absolute" | "rope"
+    rotary_base: int = 10000
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    init_method_std: float = 0.02
+    params_dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    extra: Dict[str, object] = field(default_factory=dict)  # passed to TransformerConfig as is
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"model.architecture={self.architecture!r}: expected one of {ARCHITECTURES}")
+        for key, value in ARCHITECTURE_DEFAULTS[self.architecture].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                    "num_query_groups", "ffn_hidden_size", "max_position_embeddings"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)!r} must be a positive integer")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={self.num_query_groups}"
+            )
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"model.normalization={self.normalization!r}: expected LayerNorm or RMSNorm")
+        if self.position_embedding not in ("learned_absolute", "rope"):
+            raise ValueError(
+                f"model.position_embedding={self.position_embedding!r}: expected learned_absolute or rope"
+            )
+        if self.params_dtype not in _DTYPES:
+            raise ValueError(f"model.params_dtype={self.params_dtype!r}: expected one of {tuple(_DTYPES)}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"model.norm_eps={self.norm_eps} must be > 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.params_dtype]
+
+    def to_dict(self) -> Dict[str, object]:
+        return asdict(self)
+
+
+ARCHITECTURE_DEFAULTS: Dict[str, Dict[str, object]] = {
+    "gpt": dict(normalization="LayerNorm", swiglu=False, qkv_bias=True, linear_bias=True,
+                position_embedding="learned_absolute"),
+    "qwen2": dict(normalization="RMSNorm", swiglu=True, qkv_bias=True, linear_bias=False,
+                  position_embedding="rope"),
+}
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports (never on the CPU machines: it needs libcuda)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or OSError for missing CUDA libraries
+        return False
+    return True
+
+
+def _layer_spec(cfg: ModelConfig, use_transformer_engine: bool):
+    """The layer spec; the one place that knows megatron-core's spec signatures (0.10 .. 0.16)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine:
+        # TE's fused layernorm-linear handles LayerNorm and RMSNorm from TransformerConfig.
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    local_spec = gpt_layer_specs.get_gpt_layer_local_spec
+    if "normalization" in inspect.signature(local_spec).parameters:
+        return local_spec(normalization=cfg.normalization)
+    if cfg.normalization != "LayerNorm":  # megatron-core < 0.11: the local spec is LayerNorm only
+        raise ValueError(
+            f"model.normalization={cfg.normalization!r} needs megatron-core >= 0.11 without "
+            "Transformer Engine (this megatron-core's local layer spec has LayerNorm only)"
+        )
+    return local_spec()
+
+
+def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
+    """Keyword arguments of TransformerConfig present in every supported megatron-core."""
+    from megatron.core import parallel_state as ps
+
+    dtype = cfg.torch_dtype
+    return dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        normalization=cfg.normalization,
+        layernorm_epsilon=cfg.norm_eps,
+        gated_linear_unit=cfg.swiglu,
+        activation_func=F.silu if cfg.swiglu else F.gelu,
+        add_bias_linear=cfg.linear_bias,
+        add_qkv_bias=cfg.qkv_bias,
+        init_method_std=cfg.init_method_std,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=False,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_transformer_config(cfg: ModelConfig):
+    """megatron-core TransformerConfig for ``cfg`` under the current parallel layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = _transformer_config_kwargs(cfg)
+    kwargs.update(cfg.extra)
+    return TransformerConfig(**kwargs)
+
+
+def build_model(cfg: ModelConfig, use_transformer_engine: Optional[bool] = None):
+    """This rank's pipeline stage of the model, on :func:`compat.current_device`.
+
+    Call after :func:`quatro_nemo.megatron.parallel.initialize_parallel`. The output layer is
+    vocab-parallel (``parallel_output=True``): logits come out as ``[L, S, V/TP]`` (megatron's
+    sequence-first layout) on the last stage; earlier stages return hidden states.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from quatro_nemo.megatron.compat import current_device
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if cfg.vocab_size % tp != 0:
+        raise ValueError(f"model.vocab_size={cfg.vocab_size} is not divisible by tensor_parallel={tp}")
+    if cfg.num_query_groups % tp != 0:
+        raise ValueError(f"model.num_query_groups={cfg.num_query_groups} is not divisible by tensor_parallel={tp}")
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if cfg.num_layers % pp != 0:
+        raise ValueError(f"model.num_layers={cfg.num_layers} is not divisible by pipeline_parallel={pp}")
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
+
+    model = GPTModel(
+        config=build_transformer_config(cfg),
+        transformer_layer_spec=_layer_spec(cfg, use_transformer_engine),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type=cfg.position_embedding,
+        rotary_base=cfg.rotary_base,
+    )
+    return model.to(current_device())
+
+
+_LAYER_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)(?P<rest>\..*)$")
+
+
+def _layer_offset(model) -> int:
+    """Global index of this stage's first transformer layer."""
+    layers = model.decoder.layers
+    if len(layers) == 0:
+        return 0
+    return layers[0].layer_number - 1  # megatron's layer_number is global and 1-based
+
+
+def global_parameter_name(model, local_name: str) -> str:
+    """Name of a local parameter in the full PP=1 model (decoder layer indices made global)."""
+    if local_name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
+        # With PP > 1 the last stage holds a copy of the tied embedding (kept equal by megatron's
+        # embedding-group all-reduce); the full model has only the input embedding.
+        return "embedding.word_embeddings.weight"
+    match = _LAYER_NAME.match(local_name)
+    if match is None:
+        return local_name
+    index = int(match.group("index")) + _layer_offset(model)
+    return f"{match.group('prefix')}{index}{match.group('rest')}"
+
+
+def load_full_state_dict(model, full_state: Dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Alias of :func:`quatro_nemo.megatron.checkpoint.load_full_state_dict` (the one
+    implementation), kept for callers that import it from here."""
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict as load
+
+    load(model, full_state, strict=strict)

@@ -1,0 +1,205 @@
+"""Start and stop torch.distributed + megatron-core model parallelism, and small rank helpers.
+
+One process per rank. ``initialize_parallel`` reads the usual ``env://`` variables (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; torchrun and our SLURM templates export them);
+without ``WORLD_SIZE`` it makes a one-process group, so the same code runs single-process.
+The backend is gloo without CUDA (with :mod:`quatro_nemo.megatron.compat` applied) and nccl with.
+
+Layout of the ranks is megatron-core's: TP innermost, then DP, then PP
+(``world = TP * DP * PP``).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from quatro_nemo.megatron.compat import apply_cpu_compat, cpu_compat_needed
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's coordinates, e.g. for ``world.json``."""
+
+    world_size: int
+    rank: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def initialize_parallel(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    seed: int = 1234,
+    backend: Optional[str] = None,
+) -> ParallelLayout:
+    """Initialise torch.distributed, megatron's parallel groups and the model-parallel RNG.
+
+    Args:
+        tensor_parallel: TP size; must divide the world size.
+        pipeline_parallel: PP size; ``tensor_parallel * pipeline_parallel`` must divide the world
+            size, the quotient is the data-parallel size.
+        seed: base seed. The CPU generator gets ``seed`` on every rank (so
+            ``use_cpu_initialization`` weights agree across ranks), the TP tracker
+            ``seed + 2718 + tp_rank`` (megatron's ``model_parallel_cuda_manual_seed``).
+        backend: ``"gloo"`` or ``"nccl"``; default gloo without CUDA, nccl with.
+
+    Returns the rank's :class:`ParallelLayout`. Raises ``ValueError`` on sizes that do not
+    divide the world, naming them.
+    """
+    from megatron.core import parallel_state, tensor_parallel as mcore_tp
+
+    apply_cpu_compat()
+    if backend is None:
+        backend = "gloo" if cpu_compat_needed() else "nccl"
+
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ:
+            world_size = int(os.environ["WORLD_SIZE"])
+            rank = int(os.environ["RANK"])
+        else:
+            world_size, rank = 1, 0
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        dist.init_process_group(backend=backend, init_method="env://", world_size=world_size, rank=rank)
+
+    world_size = dist.get_world_size()
+    if tensor_parallel < 1 or pipeline_parallel < 1:
+        raise ValueError(
+            f"tensor_parallel={tensor_parallel} and pipeline_parallel={pipeline_parallel} must be >= 1"
+        )
+    if world_size % (tensor_parallel * pipeline_parallel) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_parallel={tensor_parallel} x "
+            f"pipeline_parallel={pipeline_parallel}"
+        )
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    # megatron's default also creates gloo twins of the DP groups, which its optimizers need.
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+    )
+    mcore_tp.model_parallel_cuda_manual_seed(seed)
+    return parallel_layout()
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def parallel_layout() -> ParallelLayout:
+    """This rank's coordinates in the current megatron layout."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelLayout(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tensor_parallel=ps.get_tensor_model_parallel_world_size(),
+        pipeline_parallel=ps.get_pipeline_model_parallel_world_size(),
+        data_parallel=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def is_first_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_first_stage(ignore_virtual=True)
+
+
+def is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def dp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank()
+
+
+def dp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_world_size()
+
+
+def dp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
+
+
+def tp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank()
+
+
+def tp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size()
+
+
+def tp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group()
+
+
+def pp_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_rank()
+
+
+def pp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
+
+
+def pp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_group()
+
+
+def last_stage_global_rank() -> int:
+    """Global rank of the last pipeline stage in this rank's pipeline group (same TP/DP rank)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_last_rank()
+
+
+def is_rank_zero() -> bool:
+    """Global rank 0 (or no process group at all): the rank that writes logs and reports."""
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,34 @@
+"""Verifiers: turn (problem, response) pairs into rewards in [0, 1].
+
+Verifiers are looked up by name and imported lazily, so that e.g. the CPU task never imports
+math-verify and the math path never imports the code sandbox.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict, List, Protocol, Sequence
+
+# name -> "module:attribute" of a zero-argument factory (usually the class itself)
+_VERIFIERS: Dict[str, str] = {
+    "countdown": "quatro_nemo.rewards.countdown:CountdownVerifier",
+    "math": "quatro_nemo.rewards.math_verifier:MathVerifier",
+    "code": "quatro_nemo.rewards.code:CodeVerifier",
+}
+
+
+class Verifier(Protocol):
+    def score_batch(self, problems: Sequence[Dict[str, Any]], responses: Sequence[str]) -> List[float]:
+        """One reward in [0, 1] per (problem, response) pair."""
+
+
+def available_verifiers() -> List[str]:
+    return sorted(_VERIFIERS)
+
+
+def get_verifier(name: str, **kwargs: Any) -> Verifier:
+    """Build the verifier registered under `name` (kwargs go to its constructor)."""
+    if name not in _VERIFIERS:
+        raise ValueError(f"unknown verifier {name!r}; choose one of {available_verifiers()}")
+    module_name, attr = _VERIFIERS[name].split(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return factory(**kwargs)

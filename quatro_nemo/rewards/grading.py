@@ -1,0 +1,206 @@
+"""Run checks in worker processes, each with its own wall-clock timeout.
+
+Answer checking (sympy through math-verify, or running generated code) can hang or crash on a
+pathological input, and `signal.alarm`-based timeouts only work in the main thread of the main
+interpreter. This pool runs a picklable, module-level function ``check_fn(arg)`` in worker
+processes (each runs the optional ``warmup_fn`` first, so imports never count against a check's
+time); a worker that exceeds ``timeout_s`` on one check is killed and replaced, and that
+check comes back as ``status="timeout"``. A worker that dies (segfault, out of memory) gives
+``status="crash"``; an exception inside ``check_fn`` gives ``status="error"``. The caller always
+gets one result per argument, in order: an evaluation can never hang or die because of one answer.
+
+Usage::
+
+    with WorkerPool(my_module.check, num_workers=2, timeout_s=5.0) as pool:
+        results = pool.map(args)            # list[CheckResult]
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+STATUS_OK = "ok"
+STATUS_TIMEOUT = "timeout"
+STATUS_ERROR = "error"
+STATUS_CRASH = "crash"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    status: str                    # ok | timeout | error | crash
+    value: Any = None              # check_fn's return value when status == "ok"
+    message: str = ""              # exception text, or what happened
+    seconds: float = 0.0           # wall time the check took in its worker
+
+
+def _worker_loop(check_fn: Callable[[Any], Any], warmup_fn: Optional[Callable[[], Any]],
+                 conn: multiprocessing.connection.Connection) -> None:
+    if warmup_fn is not None:
+        warmup_fn()                     # imports and first-call costs, before any timed check
+    conn.send("ready")
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if task is None:
+            return
+        task_id, arg = task
+        start = time.perf_counter()
+        try:
+            value = check_fn(arg)
+            reply = (task_id, STATUS_OK, value, "")
+        except Exception as err:  # noqa: BLE001 - any failure of one check is that check's result
+            reply = (task_id, STATUS_ERROR, None, f"{type(err).__name__}: {err}"[:500])
+        conn.send(reply + (time.perf_counter() - start,))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, check_fn: Callable[[Any], Any], warmup_fn: Optional[Callable[[], Any]],
+                 startup_timeout_s: float):
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_worker_loop, args=(check_fn, warmup_fn, child_conn), daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.task: Optional[Tuple[int, float]] = None      # (task index, deadline)
+        self.startup_timeout_s = startup_timeout_s
+
+    def wait_ready(self) -> None:
+        """The first check's timeout must not pay for imports: wait for the warm-up to finish."""
+        try:
+            ready = self.conn.poll(self.startup_timeout_s) and self.conn.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
+            self.kill()
+            raise RuntimeError(f"grading worker not ready within {self.startup_timeout_s:g} s "
+                               f"(exit code {self.process.exitcode})")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5.0)
+        self.conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+        self.process.join(timeout=1.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5.0)
+        self.conn.close()
+
+
+def default_start_method() -> str:
+    """fork on Linux: workers start in milliseconds and need no ``if __name__ == "__main__"``
+    guard in the calling script (forkserver and spawn re-import the main module). Workers only
+    run the check function, so the usual hazard of forking a threaded parent (a lock held by
+    another thread) does not reach them in practice. spawn elsewhere."""
+    return "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+class WorkerPool:
+    """A fixed number of worker processes running ``check_fn``, each call with a timeout."""
+
+    def __init__(self, check_fn: Callable[[Any], Any], num_workers: int = 2, timeout_s: float = 5.0,
+                 start_method: Optional[str] = None, warmup_fn: Optional[Callable[[], Any]] = None,
+                 startup_timeout_s: float = 120.0):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.check_fn = check_fn
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self._ctx = multiprocessing.get_context(start_method or default_start_method())
+        self.start_method = self._ctx.get_start_method()
+        self.warmup_fn = warmup_fn
+        self.startup_timeout_s = startup_timeout_s
+        self._workers: List[_Worker] = []
+        self.num_restarts = 0
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self.check_fn, self.warmup_fn, self.startup_timeout_s)
+
+    def _ensure_workers(self) -> None:
+        new = [self._new_worker() for _ in range(self.num_workers - len(self._workers))]
+        for worker in new:                                  # warm up in parallel
+            worker.wait_ready()
+        self._workers.extend(new)
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        replacement = self._new_worker()
+        replacement.wait_ready()
+        self._workers[self._workers.index(worker)] = replacement
+        self.num_restarts += 1
+
+    def map(self, args: Sequence[Any]) -> List[CheckResult]:
+        """Run check_fn on every argument; one CheckResult per argument, in order."""
+        results: List[Optional[CheckResult]] = [None] * len(args)
+        if not args:
+            return []
+        self._ensure_workers()
+        pending = list(range(len(args) - 1, -1, -1))           # a stack, first task on top
+        started: Dict[int, float] = {}
+        while pending or any(w.task is not None for w in self._workers):
+            for worker in self._workers:
+                if worker.task is None and pending:
+                    idx = pending.pop()
+                    started[idx] = time.perf_counter()
+                    worker.task = (idx, started[idx] + self.timeout_s)
+                    try:
+                        worker.conn.send((idx, args[idx]))
+                    except (OSError, BrokenPipeError):
+                        # the worker died while idle: restart it and retry this task
+                        worker.task = None
+                        pending.append(idx)
+                        self._replace(worker)
+            busy = [w for w in self._workers if w.task is not None]
+            now = time.perf_counter()
+            wait_s = max(0.0, min(w.task[1] for w in busy) - now)
+            ready = multiprocessing.connection.wait([w.conn for w in busy], timeout=wait_s)
+            for worker in busy:
+                idx, deadline = worker.task
+                if worker.conn in ready:
+                    try:
+                        task_id, status, value, message, seconds = worker.conn.recv()
+                    except (EOFError, OSError):
+                        worker.process.join(timeout=5.0)
+                        code = worker.process.exitcode
+                        results[idx] = CheckResult(STATUS_CRASH, None, f"worker died (exit code {code})",
+                                                   time.perf_counter() - started[idx])
+                        worker.task = None
+                        self._replace(worker)
+                        continue
+                    results[task_id] = CheckResult(status, value, message, seconds)
+                    worker.task = None
+                elif time.perf_counter() >= deadline:
+                    results[idx] = CheckResult(STATUS_TIMEOUT, None, f"no result within {self.timeout_s:g} s",
+                                               time.perf_counter() - started[idx])
+                    worker.task = None
+                    self._replace(worker)
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.stop()
+        self._workers = []
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort; call close() explicitly
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,271 @@
+# shellcheck shell=bash
+# The logic every sbatch template in slurm/ shares. Sourced, never run: it only defines functions.
+#
+# A template sets its #SBATCH resources, then calls
+#
+#     quatro_run_recipe RECIPE RUN_DIR_KEY [TEMPLATE_DEFAULT ...] -- [USER_ARG ...]
+#
+# which, on the first node of the allocation:
+#   1. builds the argument list: the template's defaults, minus any key the user sets, then the
+#      user's arguments, then (array task of slurm/sweep.sh) this task's line of the sweep file;
+#   2. picks the run directory (the value of RUN_DIR_KEY, e.g. run.dir, if given, else
+#      runs/<job name>-<job id>; a sweep task gets <sweep dir>/task-<index>) and appends one JSON line per start and per end to
+#      <run dir>/slurm_launches.jsonl (launch.sh adds one per rank to slurm_ranks.jsonl);
+#   3. refuses to start once the job has been requeued more than QUATRO_MAX_RESTARTS times;
+#   4. exports MASTER_ADDR (address of the first node) and MASTER_PORT (from the job id and
+#      restart count, so jobs sharing a node do not collide), NCCL and threading defaults;
+#   5. starts one process per task with srun (slurm/lib/launch.sh turns SLURM_PROCID/NTASKS/
+#      LOCALID into RANK/WORLD_SIZE/LOCAL_RANK), inside the container QUATRO_CONTAINER_IMAGE
+#      through pyxis/enroot when set, else in the plain environment;
+#   6. forwards USR1 (sent by `#SBATCH --signal=B:USR1@N` before the time limit, or by hand:
+#      `scancel --batch --signal=USR1 JOB`) to the ranks, which checkpoint and exit 75;
+#   7. on exit code 75 requeues the job (`scontrol requeue`), and the restarted job resumes from
+#      the run directory's newest checkpoint. Exit 0 ends the job; any other code is a real
+#      failure and is returned as is, never requeued. After a SIGTERM (scancel, or preemption,
+#      which SLURM requeues by itself under --requeue) it does not requeue either.
+#
+# Environment (all optional):
+#   QUATRO_ROOT             repository root (default: the submit directory)
+#   QUATRO_RUNS_DIR         where default run directories go (default: $QUATRO_ROOT/runs)
+#   QUATRO_CONTAINER_IMAGE  container image for pyxis/enroot (e.g. a .sqsh file or registry#image)
+#   QUATRO_CONTAINER_MOUNTS extra mounts SRC:DST[,SRC:DST...] (data, checkpoints, HF cache)
+#   QUATRO_CONTAINER_PYTHON python inside the container (default: python)
+#   QUATRO_MAX_RESTARTS     most requeues a job may go through (default: 20)
+#   QUATRO_RANK_EXIT_WAIT_S seconds the other ranks get after the first one exits (default: 600)
+#   QUATRO_MASTER_PORT      rendezvous port (default: 20000 + 10 * (job id mod 2000) + restart mod 10)
+
+QUATRO_EXIT_REQUEUE=75            # EX_TEMPFAIL: checkpoint saved, requeue me (docs/interfaces.md)
+
+quatro_die() {
+    echo "quatro-slurm: error: $*" >&2
+    exit 2
+}
+
+quatro_log() {
+    echo "quatro-slurm [$(date -u +%H:%M:%S)] $*"
+}
+
+# quatro_override_key ARG: the key of an argument: `key` of key=value (a leading + or ~ is Hydra
+# syntax), `--flag` of --flag=value or --flag; empty for anything else (a flag's separate value).
+quatro_override_key() {
+    case $1 in
+        -*) echo "${1%%=*}" ;;
+        *=*) local key=${1%%=*}; echo "${key#[+~]}" ;;
+        *) echo "" ;;
+    esac
+}
+
+# quatro_check_overrides ARG...: every argument must look like key=value.
+quatro_check_overrides() {
+    local arg
+    for arg in "$@"; do
+        [[ $arg =~ ^[+~]?[A-Za-z_][A-Za-z0-9_.@/-]*= ]] \
+            || quatro_die "override '$arg' is not key=value"
+    done
+}
+
+# quatro_last_value KEY ARG...: the value the last KEY among ARGs sets: KEY=value, or for a
+# --flag KEY given alone, the argument after it. Empty if KEY is not set.
+quatro_last_value() {
+    local key=$1 value=""
+    shift
+    while [ $# -gt 0 ]; do
+        if [ "$1" = "$key" ] && [[ $key == -* ]] && [ $# -ge 2 ]; then
+            value=$2
+            shift
+        elif [ "$(quatro_override_key "$1")" = "$key" ] && [[ $1 == *=* ]]; then
+            value=${1#*=}
+        fi
+        shift
+    done
+    echo "$value"
+}
+
+# quatro_sets_key KEY ARG...: true if an argument sets KEY (KEY=value or the flag KEY).
+quatro_sets_key() {
+    local key=$1 arg
+    shift
+    for arg in "$@"; do
+        [ "$(quatro_override_key "$arg")" = "$key" ] && return 0
+    done
+    return 1
+}
+
+# quatro_sweep_sets FILE: the override sets of a sweep file, one per line, in order.
+# A line holds whitespace-separated key=value overrides; blank lines and lines starting with #
+# are skipped. Array task i runs the i-th printed line (0-based).
+quatro_sweep_sets() {
+    [ -f "$1" ] || quatro_die "sweep file '$1' not found"
+    grep -v -E '^[[:space:]]*(#|$)' "$1" | sed -E 's/^[[:space:]]+//; s/[[:space:]]+$//' || true
+}
+
+# quatro_json_line KEY VALUE ...: one JSON object with string values (no quotes or backslashes
+# expected in them: job ids, host names, paths).
+quatro_json_line() {
+    local out="{" sep=""
+    while [ $# -ge 2 ]; do
+        out+="$sep\"$1\": \"${2//\"/\\\"}\""
+        sep=", "
+        shift 2
+    done
+    echo "$out}"
+}
+
+quatro_first_node() {
+    scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1
+}
+
+# The address the other ranks reach the first node at: its NodeAddr (equal to the host name on
+# most clusters; differs for fake nodes in tests).
+quatro_node_addr() {
+    local addr
+    addr=$(scontrol show node -o "$1" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+    echo "${addr:-$1}"
+}
+
+quatro_export_rendezvous() {
+    local first
+    first=$(quatro_first_node)
+    MASTER_ADDR=$(quatro_node_addr "$first")
+    # Distinct for jobs sharing a node, and for each restart of a requeued job (which may start
+    # again on the same node before every process of its predecessor is gone).
+    MASTER_PORT=${QUATRO_MASTER_PORT:-$((20000 + (SLURM_JOB_ID % 2000) * 10 + ${SLURM_RESTART_COUNT:-0} % 10))}
+    export MASTER_ADDR MASTER_PORT
+}
+
+# Defaults for GPU runs; any of them set in the environment (or in the template) wins.
+quatro_export_comm_defaults() {
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    # Megatron's tensor-parallel communication overlap needs kernels issued in order.
+    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+    # A rank that dies makes the others abort (after the collective timeout) instead of hanging.
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+}
+
+# Sets QUATRO_CONTAINER_ARGS (srun flags) for pyxis/enroot, or leaves it empty.
+quatro_container_args() {
+    QUATRO_CONTAINER_ARGS=()
+    [ -n "${QUATRO_CONTAINER_IMAGE:-}" ] || return 0
+    srun --help 2>&1 | grep -q -- '--container-image' \
+        || quatro_die "QUATRO_CONTAINER_IMAGE is set but this srun has no pyxis (--container-image); unset it to run in the plain environment"
+    local mounts="$QUATRO_ROOT:$QUATRO_ROOT"
+    if [[ $QUATRO_RUN_DIR != "$QUATRO_ROOT"/* ]]; then
+        mounts+=",$(dirname "$QUATRO_RUN_DIR"):$(dirname "$QUATRO_RUN_DIR")"
+    fi
+    mounts+=${QUATRO_CONTAINER_MOUNTS:+,$QUATRO_CONTAINER_MOUNTS}
+    QUATRO_CONTAINER_ARGS=(
+        "--container-image=$QUATRO_CONTAINER_IMAGE"
+        "--container-mounts=$mounts"
+        "--container-workdir=$PWD"
+    )
+    export QUATRO_PYTHON=${QUATRO_CONTAINER_PYTHON:-python}
+}
+
+quatro_default_run_dir() {
+    if [ -n "${QUATRO_SWEEP_DIR:-}" ]; then
+        echo "$QUATRO_SWEEP_DIR/task-$SLURM_ARRAY_TASK_ID"
+    elif [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then
+        echo "${QUATRO_RUNS_DIR:-$QUATRO_ROOT/runs}/$SLURM_JOB_NAME-${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID"
+    else
+        echo "${QUATRO_RUNS_DIR:-$QUATRO_ROOT/runs}/$SLURM_JOB_NAME-$SLURM_JOB_ID"
+    fi
+}
+
+quatro_record() {  # quatro_record KEY VALUE ...: one line in <run dir>/slurm_launches.jsonl
+    quatro_json_line job_id "$SLURM_JOB_ID" restart_count "${SLURM_RESTART_COUNT:-0}" \
+        time "$(date -u +%FT%TZ)" "$@" >> "$QUATRO_RUN_DIR/slurm_launches.jsonl"
+}
+
+# quatro_run_recipe RECIPE RUN_DIR_KEY [DEFAULT ...] -- [USER_ARG ...]: see the top of this file.
+# RUN_DIR_KEY is the argument naming the output directory: run.dir (train, key=value
+# overrides) or --out (evaluate, argparse flags).
+quatro_run_recipe() {
+    local recipe=$1 run_dir_key=$2 arg
+    shift 2
+    local -a defaults=() user=() overrides=()
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+        defaults+=("$1")
+        shift
+    done
+    [ $# -gt 0 ] && shift
+    user=("$@")
+    [ -n "${SLURM_JOB_ID:-}" ] || quatro_die "not inside a SLURM job: submit with sbatch"
+
+    if [ -n "${QUATRO_SWEEP_FILE:-}" ]; then
+        [ -n "${SLURM_ARRAY_TASK_ID:-}" ] || quatro_die "QUATRO_SWEEP_FILE is set but this is not an array task"
+        local -a sets=() sweep_set=()
+        mapfile -t sets < <(quatro_sweep_sets "$QUATRO_SWEEP_FILE")
+        [ "$SLURM_ARRAY_TASK_ID" -lt "${#sets[@]}" ] \
+            || quatro_die "array task $SLURM_ARRAY_TASK_ID but $QUATRO_SWEEP_FILE has ${#sets[@]} override sets"
+        read -r -a sweep_set <<< "${sets[$SLURM_ARRAY_TASK_ID]}"
+        user+=("${sweep_set[@]}")
+    fi
+    for arg in "${defaults[@]}"; do
+        quatro_sets_key "$(quatro_override_key "$arg")" "${user[@]}" || overrides+=("$arg")
+    done
+    overrides+=("${user[@]}")
+
+    QUATRO_RUN_DIR=$(quatro_last_value "$run_dir_key" "${overrides[@]}")
+    if [ -z "$QUATRO_RUN_DIR" ]; then
+        QUATRO_RUN_DIR=$(quatro_default_run_dir)
+        overrides+=("$run_dir_key=$QUATRO_RUN_DIR")
+    fi
+    mkdir -p "$QUATRO_RUN_DIR"
+    QUATRO_RUN_DIR=$(cd "$QUATRO_RUN_DIR" && pwd)
+
+    local restarts=${SLURM_RESTART_COUNT:-0} max_restarts=${QUATRO_MAX_RESTARTS:-20}
+    if [ "$restarts" -gt "$max_restarts" ]; then
+        quatro_record event refused reason "restart $restarts > QUATRO_MAX_RESTARTS=$max_restarts"
+        quatro_log "job was requeued $restarts times (> QUATRO_MAX_RESTARTS=$max_restarts): giving up"
+        exit 1
+    fi
+
+    export QUATRO_RANK_LOG=$QUATRO_RUN_DIR/slurm_ranks.jsonl
+    quatro_export_rendezvous
+    quatro_export_comm_defaults
+    quatro_container_args
+    quatro_log "job $SLURM_JOB_ID (restart $restarts): $SLURM_NTASKS ranks on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"
+    quatro_log "run dir $QUATRO_RUN_DIR"
+    quatro_log "$recipe ${overrides[*]}"
+    quatro_record event start nodes "$SLURM_JOB_NODELIST" ntasks "$SLURM_NTASKS" \
+        master_addr "$MASTER_ADDR" master_port "$MASTER_PORT" recipe "$recipe" \
+        overrides "${overrides[*]}"
+
+    QUATRO_GOT_USR1=0
+    QUATRO_GOT_TERM=0
+    trap 'QUATRO_GOT_USR1=1; quatro_log "USR1: ranks checkpoint and exit"; kill -USR1 "$QUATRO_SRUN_PID" 2>/dev/null || true' USR1
+    trap 'QUATRO_GOT_TERM=1; quatro_log "TERM: job cancelled or preempted"' TERM
+    srun --label --kill-on-bad-exit=0 --wait="${QUATRO_RANK_EXIT_WAIT_S:-600}" \
+        "${QUATRO_CONTAINER_ARGS[@]}" \
+        bash "$QUATRO_ROOT/slurm/lib/launch.sh" "$recipe" "${overrides[@]}" &
+    QUATRO_SRUN_PID=$!
+    # `wait` returns early when a trapped signal arrives: wait again until srun has ended,
+    # then once more for its exit status (bash keeps it).
+    while kill -0 "$QUATRO_SRUN_PID" 2>/dev/null; do
+        wait "$QUATRO_SRUN_PID" || true
+    done
+    local rc=0
+    wait "$QUATRO_SRUN_PID" || rc=$?
+    trap - USR1 TERM
+
+    if [ "$rc" = 0 ]; then
+        quatro_record event end exit_code 0 action "done"
+        quatro_log "finished"
+        return 0
+    fi
+    if [ "$rc" = "$QUATRO_EXIT_REQUEUE" ] && [ "$QUATRO_GOT_TERM" = 0 ]; then
+        if [ "$restarts" -ge "$max_restarts" ]; then
+            quatro_record event end exit_code "$rc" action "gave up (QUATRO_MAX_RESTARTS=$max_restarts)"
+            quatro_log "checkpointed, but the restart limit QUATRO_MAX_RESTARTS=$max_restarts is reached"
+            exit 1
+        fi
+        quatro_record event end exit_code "$rc" action requeue usr1 "$QUATRO_GOT_USR1"
+        quatro_log "checkpoint saved (exit $rc): requeueing job $SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID"
+        exit 0
+    fi
+    quatro_record event end exit_code "$rc" action failed
+    quatro_log "ranks exited with code $rc: not requeued"
+    exit "$rc"
+}

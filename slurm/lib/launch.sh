@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Start one recipe process. Used as the Docker ENTRYPOINT and as the per-rank command under srun.
+#
+#   launch.sh RECIPE [key=value ...]
+#
+# RECIPE is a name in recipes/ (train, evaluate, prepare_data, ...) or a path to a .py script;
+# anything else that is a command on PATH (bash, python, ...) is run as given, so
+# `docker run IMAGE bash` still works. Under srun (one process per rank) it exports the
+# torch.distributed variables from SLURM's: RANK=SLURM_PROCID, WORLD_SIZE=SLURM_NTASKS,
+# LOCAL_RANK=SLURM_LOCALID; MASTER_ADDR and MASTER_PORT come from the batch script
+# (slurm/lib/common.sh). The repository this file lives in comes first on PYTHONPATH, so a
+# checkout mounted into the container runs its own code with the image's dependencies.
+# Python: $QUATRO_PYTHON, else the repository's .venv, else python3. Recipe names are looked up
+# in $QUATRO_RECIPES_DIR (default: the repository's recipes/).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+RECIPES=${QUATRO_RECIPES_DIR:-$ROOT/recipes}
+
+die() { echo "launch.sh: $*" >&2; exit 2; }
+
+[ $# -ge 1 ] || die "usage: launch.sh RECIPE [key=value ...] (RECIPE: a script name in $RECIPES, or a .py path)"
+recipe=$1
+shift
+
+case $recipe in
+    *.py) script=$recipe ;;
+    */*) script=$recipe ;;
+    *) script=$RECIPES/$recipe.py ;;
+esac
+if [ ! -f "$script" ]; then
+    if [[ $recipe != *.py && $recipe != */* ]] && command -v "$recipe" >/dev/null; then
+        exec "$recipe" "$@"
+    fi
+    die "no recipe '$recipe' (looked for $script)"
+fi
+
+if [ -n "${SLURM_STEP_ID:-}" ] && [ -n "${SLURM_PROCID:-}" ] && [ -z "${RANK:-}" ]; then
+    export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
+    if [ "$WORLD_SIZE" -gt 1 ]; then
+        [ -n "${MASTER_ADDR:-}" ] && [ -n "${MASTER_PORT:-}" ] \
+            || die "rank $RANK of $WORLD_SIZE: MASTER_ADDR/MASTER_PORT not set (start ranks through slurm/lib/common.sh)"
+    fi
+fi
+
+# One line per rank start in the run directory (common.sh sets the file): which node and pid ran
+# which rank, and the rendezvous it was given.
+if [ -n "${QUATRO_RANK_LOG:-}" ]; then
+    printf '{"job_id": "%s", "restart_count": "%s", "rank": %s, "local_rank": %s, "world_size": %s, "node": "%s", "host": "%s", "pid": %s, "master_addr": "%s", "master_port": "%s"}\n' \
+        "${SLURM_JOB_ID:-}" "${SLURM_RESTART_COUNT:-0}" "${RANK:-0}" "${LOCAL_RANK:-0}" "${WORLD_SIZE:-1}" \
+        "${SLURMD_NODENAME:-}" "$(hostname)" "$$" "${MASTER_ADDR:-}" "${MASTER_PORT:-}" >> "$QUATRO_RANK_LOG"
+fi
+
+if [ -n "${QUATRO_PYTHON:-}" ]; then
+    python=$QUATRO_PYTHON
+elif [ -x "$ROOT/.venv/bin/python" ]; then
+    python=$ROOT/.venv/bin/python
+else
+    python=python3
+fi
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+exec "$python" "$script" "$@"

@@ -1,0 +1,33 @@
+#!/bin/bash
+# QUATRO RL fine-tuning of Qwen2.5-Math-7B on H100 nodes (8 GPUs each), one rank per GPU.
+#
+#   sbatch slurm/quatro_7b.sh [key=value ...]                      # from the repository root
+#   sbatch slurm/quatro_7b.sh algorithm.delta=0.05 trainer.inner_loops=4
+#   sbatch --nodes=8 --time=72:00:00 slurm/quatro_7b.sh ...        # sbatch flags win over #SBATCH
+#   QUATRO_CONTAINER_IMAGE=/images/quatro.sqsh sbatch slurm/quatro_7b.sh ...   # pyxis/enroot
+#
+# Resources: edit the #SBATCH lines below (add your partition/account). The run directory is
+# runs/<job name>-<job id> unless run.dir=... is given; the job log is slurm/logs/<name>-<id>.out.
+# Before the time limit (--signal) the ranks checkpoint and exit 75; the job requeues itself and
+# resumes from the newest checkpoint. See docs/cluster.md.
+#SBATCH --job-name=quatro-7b
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --mem=0
+#SBATCH --time=48:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@600
+#SBATCH --open-mode=append
+#SBATCH --output=slurm/logs/%x-%j.out
+set -euo pipefail
+
+# Cluster-specific network settings, if your cluster needs them:
+# export NCCL_SOCKET_IFNAME=ib0 NCCL_IB_HCA=mlx5
+
+QUATRO_ROOT=${QUATRO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+# shellcheck source=slurm/lib/common.sh
+source "$QUATRO_ROOT/slurm/lib/common.sh" \
+    || { echo "quatro-slurm: submit from the quatro-nemo root or export QUATRO_ROOT" >&2; exit 2; }
+quatro_run_recipe train run.dir config=quatro_7b -- "$@"

@@ -1,0 +1,330 @@
+"""Policy losses: analytic QUATRO gradients, GSPO reduction, hand-computed baselines, and exact
+micro-batch additivity with global normalisers (docs/interfaces.md)."""
+import math
+
+import pytest
+import torch
+
+from quatro_nemo.algos import (
+    ALGORITHMS,
+    CISPOConfig,
+    DAPOConfig,
+    GMPOConfig,
+    GPGConfig,
+    GRPOConfig,
+    GSPOConfig,
+    LossNormalizer,
+    QuatroConfig,
+    get_advantage_estimator,
+    get_algorithm,
+    get_policy_loss,
+)
+
+D = torch.float64
+
+
+def make_batch(num_seqs=6, length=5, seed=0, spread=0.3, empty_row=None):
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(num_seqs, length, generator=gen, dtype=D) * 2.0 - 0.1
+    logprobs = (old + spread * torch.randn(num_seqs, length, generator=gen, dtype=D)).requires_grad_(True)
+    ref = old + 0.2 * torch.randn(num_seqs, length, generator=gen, dtype=D)
+    mask = torch.ones(num_seqs, length, dtype=D)
+    for i in range(num_seqs):  # varying lengths 1..length
+        mask[i, 1 + (i * 3) % length:] = 0.0
+    if empty_row is not None:
+        mask[empty_row] = 0.0
+    advantages = torch.randn(num_seqs, generator=gen, dtype=D)
+    entropy = torch.rand(num_seqs, length, generator=gen, dtype=D)
+    return logprobs, old, ref, mask, advantages, entropy
+
+
+def lengths_of(mask):
+    return [int(m) for m in mask.sum(dim=1).tolist()]
+
+
+# ---------------------------------------------------------------- QUATRO (Eq. 17)
+
+@pytest.mark.parametrize("log_ratio", ["seq_sum", "seq_mean"])
+def test_quatro_gradient_matches_analytic(log_ratio):
+    logprobs, old, _, mask, adv, _ = make_batch()
+    config = QuatroConfig(log_ratio=log_ratio, beta=0.0)
+    num_seqs = logprobs.shape[0]
+    loss, _ = get_policy_loss("quatro")(logprobs, old, adv, mask, config, LossNormalizer(num_seqs, float(mask.sum())))
+    loss.backward()
+    expected_grad = torch.zeros_like(old)
+    expected_loss = 0.0
+    for i, n_tok in enumerate(lengths_of(mask)):
+        l_i = sum(logprobs[i, t].item() - old[i, t].item() for t in range(n_tok))
+        log_s = l_i / n_tok
+        s_i = math.exp(log_s)
+        g_i = l_i if log_ratio == "seq_sum" else log_s
+        expected_loss += -s_i * (adv[i].item() - g_i) / num_seqs
+        # -(1/S) s_i (A_i - g_i) d log s_i / d logprob_t, d log s_i / d logprob_t = 1 / |o_i|
+        for t in range(n_tok):
+            expected_grad[i, t] = -s_i * (adv[i].item() - g_i) / n_tok / num_seqs
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-12, abs=1e-14)
+    torch.testing.assert_close(logprobs.grad, expected_grad, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("log_ratio", ["seq_sum", "seq_mean"])
+def test_quatro_gradient_vanishes_at_trust_region_optimum(log_ratio):
+    _, old, _, mask, adv, _ = make_batch(seed=3)
+    lengths = mask.sum(dim=1, keepdim=True)
+    # g_i = A_i: spread A_i over the tokens (seq_sum) or put A_i on every token (seq_mean).
+    per_token = adv.unsqueeze(1) / lengths if log_ratio == "seq_sum" else adv.unsqueeze(1).expand_as(old)
+    logprobs = (old + per_token * mask).requires_grad_(True)
+    loss, _ = get_policy_loss("quatro")(logprobs, old, adv, mask, QuatroConfig(log_ratio=log_ratio, beta=0.0),
+                                        LossNormalizer(6, float(mask.sum())))
+    loss.backward()
+    assert abs(loss.item()) < 1e-14
+    assert logprobs.grad.abs().max().item() < 1e-14
+    # The same point is NOT stationary without the log-ratio term: the test can fail.
+    logprobs.grad = None
+    loss, _ = get_policy_loss("quatro")(logprobs, old, adv, mask, QuatroConfig(log_ratio="none", beta=0.0),
+                                        LossNormalizer(6, float(mask.sum())))
+    loss.backward()
+    assert logprobs.grad.abs().max().item() > 1e-3
+
+
+def test_quatro_on_policy_first_step():
+    _, old, _, mask, adv, _ = make_batch(seed=4)
+    logprobs = old.clone().requires_grad_(True)
+    loss, metrics = get_policy_loss("quatro")(logprobs, old, adv, mask, QuatroConfig(beta=0.0), LossNormalizer(6, float(mask.sum())))
+    loss.backward()
+    # s_i = 1, g_i = 0: loss -(1/S) sum A_i, gradient -(1/S) A_i / |o_i| on response tokens.
+    assert loss.item() == pytest.approx(-adv.sum().item() / 6, rel=1e-12)
+    expected = -(adv.unsqueeze(1) / mask.sum(dim=1, keepdim=True)) * mask / 6
+    torch.testing.assert_close(logprobs.grad, expected, rtol=1e-12, atol=1e-15)
+    assert metrics["policy/seq_ratio/max"].item() == 1.0 == metrics["policy/seq_ratio/min"].item()
+
+
+def test_quatro_reduces_to_gspo():
+    """Paper Sec. 3.2: drop sg[g_i], use GRPO's advantage, add GSPO's clip -> GSPO exactly."""
+    gen = torch.Generator().manual_seed(11)
+    rewards = (torch.rand(3, 4, generator=gen) < 0.5).to(D)
+    rewards[:, 0] = 1.0
+    rewards[:, 1] = 0.0
+    gspo_config = GSPOConfig(beta=0.01)
+    adv = get_advantage_estimator("grpo")(rewards, gspo_config).advantages.flatten()
+    _, old, ref, mask, _, _ = make_batch(num_seqs=12, length=6, seed=5)
+    # Tiny perturbation so some sequences sit inside and some outside (1 - 3e-4, 1 + 4e-4).
+    base = old + 4e-4 * torch.randn(12, 6, generator=gen, dtype=D)
+    quatro_config = QuatroConfig(log_ratio="none", clip_low=3e-4, clip_high=4e-4, log_ratio_clamp=10.0, beta=0.01)
+    normalizer = LossNormalizer(12, float(mask.sum()))
+    grads, losses = [], []
+    for name, config in (("gspo", gspo_config), ("quatro", quatro_config)):
+        logprobs = base.clone().requires_grad_(True)
+        loss, metrics = get_policy_loss(name)(logprobs, old, adv, mask, config, normalizer, ref_logprobs=ref)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(logprobs.grad)
+        assert 0.0 < metrics["policy/clip_frac"].item() < 1.0  # clipping is exercised
+    assert losses[0] == losses[1]
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+def test_quatro_optional_clamp_reports_and_bounds():
+    _, old, _, mask, adv, _ = make_batch(seed=6)
+    logprobs = (old + 3.0 * mask).requires_grad_(True)  # log s_i = 3 on every sequence
+    loss, metrics = get_policy_loss("quatro")(logprobs, old, adv, mask, QuatroConfig(log_ratio_clamp=2.0, beta=0.0),
+                                              LossNormalizer(6, float(mask.sum())))
+    assert metrics["policy/clamp_frac"].item() == pytest.approx(1.0)
+    assert metrics["policy/seq_ratio/max"].item() == pytest.approx(math.exp(2.0))
+
+
+# ---------------------------------------------------------------- baselines vs hand values
+
+def _ppo_token(ratio, a, lo, hi):
+    return max(-a * ratio, -a * min(max(ratio, 1 - lo), 1 + hi))
+
+
+def reference_loss(name, config, logprobs, old, ref, mask, adv):
+    """Plain-Python scalar loops of each baseline's published formula (independent of the code)."""
+    lp, ol, rf = logprobs.tolist(), old.tolist(), ref.tolist()
+    lengths = lengths_of(mask)
+    seqs = [i for i, n in enumerate(lengths) if n > 0]
+    num_seqs, num_toks = len(seqs), sum(lengths)
+
+    def aggregate(token_values, mode):
+        if mode == "token-mean":
+            return sum(sum(token_values[i][:lengths[i]]) for i in seqs) / num_toks
+        if mode == "seq-mean-token-mean":
+            return sum(sum(token_values[i][:lengths[i]]) / lengths[i] for i in seqs) / num_seqs
+        return sum(sum(token_values[i][:lengths[i]]) for i in seqs) / num_seqs
+
+    r = [[lp[i][t] - ol[i][t] for t in range(len(lp[i]))] for i in range(len(lp))]
+    a = adv.tolist()
+    if name in ("grpo", "dapo"):
+        tok = [[_ppo_token(math.exp(x), a[i], config.clip_low, config.clip_high) for x in r[i]] for i in range(len(r))]
+        pg = aggregate(tok, config.loss_agg_mode)
+    elif name == "gspo":
+        pg = 0.0
+        for i in seqs:
+            log_s = min(sum(r[i][:lengths[i]]) / lengths[i], config.log_ratio_clamp)
+            pg += _ppo_token(math.exp(log_s), a[i], config.clip_low, config.clip_high) / num_seqs
+    elif name == "gmpo":
+        pg = 0.0
+        for i in seqs:
+            sgn = (a[i] > 0) - (a[i] < 0)
+            clipped = [sgn * min(sgn * x, sgn * min(max(x, -config.clip_low), config.clip_high)) for x in r[i][:lengths[i]]]
+            pg += -a[i] * math.exp(sum(clipped) / lengths[i]) / num_seqs
+    elif name == "cispo":
+        tok = [[-min(max(math.exp(r[i][t]), 1 - config.clip_low), 1 + config.clip_high) * a[i] * lp[i][t]
+                for t in range(len(r[i]))] for i in range(len(r))]
+        pg = aggregate(tok, config.loss_agg_mode)
+    elif name == "gpg":
+        pg = aggregate([[-a[i] * lp[i][t] for t in range(len(r[i]))] for i in range(len(r))], config.loss_agg_mode)
+    else:
+        raise AssertionError(name)
+    k3 = [[math.exp(rf[i][t] - lp[i][t]) - (rf[i][t] - lp[i][t]) - 1 for t in range(len(r[i]))] for i in range(len(r))]
+    return pg + config.beta * aggregate(k3, config.loss_agg_mode)
+
+
+BASELINES = [
+    ("grpo", GRPOConfig(beta=0.02)),
+    ("grpo", GRPOConfig(beta=0.0, loss_agg_mode="seq-mean-token-mean")),
+    ("dapo", DAPOConfig(beta=0.02)),
+    ("dapo", DAPOConfig(beta=0.02, loss_agg_mode="seq-mean-token-sum")),
+    ("gspo", GSPOConfig(beta=0.02)),
+    ("gmpo", GMPOConfig(beta=0.02)),
+    ("cispo", CISPOConfig(beta=0.02)),
+    ("gpg", GPGConfig(beta=0.02)),
+]
+
+
+@pytest.mark.parametrize("name,config", BASELINES, ids=[f"{n}-{c.loss_agg_mode}" for n, c in BASELINES])
+def test_baseline_matches_reference(name, config):
+    logprobs, old, ref, mask, adv, _ = make_batch(seed=8, spread=0.4, empty_row=2)
+    normalizer = LossNormalizer(5, float(mask.sum()))  # row 2 is empty: 5 sequences
+    loss, _ = get_policy_loss(name)(logprobs, old, adv, mask, config, normalizer, ref_logprobs=ref)
+    assert loss.item() == pytest.approx(reference_loss(name, config, logprobs.detach(), old, ref, mask, adv), rel=1e-12)
+
+
+def test_ppo_clip_hand_values():
+    """One token each, hand-derived, clip (0.8, 1.2)."""
+    logprobs = torch.tensor([[0.5], [-0.5], [0.1]], dtype=D, requires_grad=True)
+    old = torch.zeros(3, 1, dtype=D)
+    adv = torch.tensor([1.0, -2.0, -1.0], dtype=D)
+    mask = torch.ones(3, 1, dtype=D)
+    loss, metrics = get_policy_loss("grpo")(logprobs, old, adv, mask, GRPOConfig(beta=0.0), LossNormalizer(3, 3))
+    # token 1 (A = 1, r = e^.5 = 1.65): max(-1.65, -1.2) = -1.2, clipped, no gradient;
+    # token 2 (A = -2, r = e^-.5 = 0.61): max(1.21, 2 * 0.8) = 1.6, clipped, no gradient;
+    # token 3 (A = -1, r = e^.1 = 1.105, inside the range): 1.105, gradient -A r = e^.1.  Mean over 3.
+    expected = (-1.2 + 1.6 + math.exp(0.1)) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-14)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [0.0], [math.exp(0.1) / 3]], dtype=D))
+    assert metrics["policy/clip_frac"].item() == pytest.approx(2 / 3)
+
+
+def test_cispo_keeps_gradient_of_clipped_tokens():
+    logprobs = torch.tensor([[1.0, -0.2]], dtype=D, requires_grad=True)  # ratio e^1 > 1.28: clipped
+    old = torch.tensor([[0.0, -0.2]], dtype=D)
+    loss, _ = get_policy_loss("cispo")(logprobs, old, torch.tensor([2.0], dtype=D), torch.ones(1, 2, dtype=D),
+                                       CISPOConfig(beta=0.0), LossNormalizer(1, 2))
+    loss.backward()
+    # d/dlogp of -sg(w) A log p / 2 = -w A / 2 with w = 1.28 and 1.0.
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.28, -1.0]], dtype=D))
+
+
+def test_k3_requires_reference_when_beta_positive():
+    logprobs, old, _, mask, adv, _ = make_batch()
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        get_policy_loss("grpo")(logprobs, old, adv, mask, GRPOConfig(beta=0.1), LossNormalizer(6, 10))
+
+
+def test_k3_hand_value():
+    # r = ref - logp = ln 2: k3 = 2 - ln 2 - 1 on the single token; on-policy so pg term = -A.
+    logprobs = torch.tensor([[-1.0]], dtype=D)
+    ref = logprobs + math.log(2.0)
+    loss, metrics = get_policy_loss("gpg")(logprobs, logprobs, torch.tensor([0.0], dtype=D), torch.ones(1, 1, dtype=D),
+                                           GPGConfig(beta=0.5), LossNormalizer(1, 1), ref_logprobs=ref)
+    assert metrics["policy/kl_ref"].item() == pytest.approx(1.0 - math.log(2.0), rel=1e-14)
+    assert loss.item() == pytest.approx(0.5 * (1.0 - math.log(2.0)), rel=1e-14)
+
+
+def test_shape_and_config_errors():
+    logprobs, old, _, mask, adv, _ = make_batch()
+    with pytest.raises(ValueError, match="QuatroConfig"):
+        get_policy_loss("quatro")(logprobs, old, adv, mask, GRPOConfig(), LossNormalizer(6, 10))
+    with pytest.raises(ValueError, match="advantages"):
+        get_policy_loss("grpo")(logprobs, old, adv[:3], mask, GRPOConfig(beta=0.0), LossNormalizer(6, 10))
+
+
+# ---------------------------------------------------------------- micro-batch additivity
+
+def _merge(parts):
+    merged = {}
+    for metrics in parts:
+        for key, value in metrics.items():
+            if key not in merged:
+                merged[key] = value.clone()
+            elif key.endswith("/max"):
+                merged[key] = torch.maximum(merged[key], value)
+            elif key.endswith("/min"):
+                merged[key] = torch.minimum(merged[key], value)
+            else:
+                merged[key] = merged[key] + value
+    return merged
+
+
+LOSS_CASES = [(name, {}) for name in ALGORITHMS] + [
+    ("grpo", {"loss_agg_mode": "seq-mean-token-mean"}),
+    ("grpo", {"loss_agg_mode": "seq-mean-token-sum"}),
+    ("quatro", {"log_ratio": "seq_mean", "clip_low": 0.1, "clip_high": 0.1, "log_ratio_clamp": 0.5}),
+    ("quatro", {"loss_agg_mode": "token-mean"}),
+]
+
+
+@pytest.mark.parametrize("name,overrides", LOSS_CASES, ids=[f"{n}-{sorted(o)}" for n, o in LOSS_CASES])
+def test_micro_batch_split_is_exact(name, overrides):
+    spec = get_algorithm(name)
+    config = spec.config_cls(**{"beta": 0.05, **overrides})
+    logprobs, old, ref, mask, adv, entropy = make_batch(num_seqs=10, length=7, seed=9, spread=0.5, empty_row=4)
+    from quatro_nemo.algos import count_sequences, count_tokens
+    normalizer = LossNormalizer(count_sequences(mask), count_tokens(mask))  # 0-dim tensors, as after an all-reduce
+    whole_loss, whole_metrics = spec.policy_loss(logprobs, old, adv, mask, config, normalizer, ref_logprobs=ref, entropy=entropy)
+    whole_grad, = torch.autograd.grad(whole_loss, logprobs)
+    split_loss = torch.zeros((), dtype=D)
+    parts = []
+    for rows in (slice(0, 3), slice(3, 5), slice(5, 10)):
+        part_loss, part_metrics = spec.policy_loss(logprobs[rows], old[rows], adv[rows], mask[rows], config, normalizer,
+                                                   ref_logprobs=ref[rows], entropy=entropy[rows])
+        split_loss = split_loss + part_loss
+        parts.append(part_metrics)
+    split_grad, = torch.autograd.grad(split_loss, logprobs)
+    assert split_loss.item() == pytest.approx(whole_loss.item(), rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(split_grad, whole_grad, rtol=1e-12, atol=1e-15)
+    merged = _merge(parts)
+    assert merged.keys() == whole_metrics.keys()
+    for key, value in whole_metrics.items():
+        assert value.dim() == 0 and not value.requires_grad, key
+        torch.testing.assert_close(merged[key], value, rtol=1e-12, atol=1e-14, msg=key)
+    assert abs(whole_loss.item()) > 1e-6 and whole_grad.abs().sum().item() > 1e-6  # not trivially zero
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_all_padding_micro_batch_is_neutral(name):
+    """A micro-batch of padding rows adds 0 to the loss and every additive metric, and the
+    identities of max/min (-inf/+inf) to the extremal ones, so merging it changes nothing."""
+    spec = get_algorithm(name)
+    logprobs, old, ref, _, adv, entropy = make_batch(num_seqs=3, length=4, seed=12)
+    empty = torch.zeros(3, 4, dtype=D)
+    loss, metrics = spec.policy_loss(logprobs, old, adv, empty, spec.config_cls(), LossNormalizer(5, 17),
+                                     ref_logprobs=ref, entropy=entropy)
+    loss.backward()
+    assert loss.item() == 0.0 and logprobs.grad.abs().max().item() == 0.0
+    for key, value in metrics.items():
+        if key.endswith("/max"):
+            assert value.item() == float("-inf"), key
+        elif key.endswith("/min"):
+            assert value.item() == float("inf"), key
+        else:
+            assert value.item() == 0.0, key
+
+
+def test_normalizer_rejects_non_positive_counts():
+    with pytest.raises(ValueError, match="num_sequences"):
+        LossNormalizer(0, 5)
+    with pytest.raises(ValueError, match="num_tokens"):
+        LossNormalizer(2, -1.0)

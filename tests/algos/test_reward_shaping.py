@@ -1,0 +1,29 @@
+"""DAPO data-side shaping: dynamic-sampling filter and soft overlong punishment (hand values)."""
+import pytest
+import torch
+
+from quatro_nemo.algos import dapo_filter_groups, overlong_penalty
+
+
+def test_filter_keeps_groups_with_reward_spread():
+    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.5, 0.25]])
+    assert dapo_filter_groups(rewards).tolist() == [False, True, False, True]
+
+
+def test_filter_rejects_non_finite():
+    with pytest.raises(ValueError, match=r"\[1\]"):
+        dapo_filter_groups(torch.tensor([[0.0, 1.0], [float("nan"), 1.0]]))
+
+
+def test_overlong_penalty_hand_values():
+    # L_max = 20, L_cache = 4: free up to 16, linear to -factor at 20, -factor beyond.
+    lengths = torch.tensor([10, 16, 17, 18, 20, 25])
+    expected = torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5], dtype=torch.float64)
+    torch.testing.assert_close(overlong_penalty(lengths, max_len=20, cache_len=4, factor=0.5), expected)
+
+
+def test_overlong_penalty_bad_arguments():
+    with pytest.raises(ValueError, match="cache_len"):
+        overlong_penalty(torch.tensor([1]), max_len=10, cache_len=0)
+    with pytest.raises(ValueError, match="factor"):
+        overlong_penalty(torch.tensor([1]), max_len=10, cache_len=2, factor=-1.0)

@@ -1,0 +1,46 @@
+"""A tiny, fast version of the CPU default for end-to-end tests of the training loop."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TRAIN = str(REPO / "recipes" / "train.py")
+
+# Small everything: a 2-layer model, a short warm-start (cached per test session), 8 prompts x 4.
+TINY = [
+    "model.hidden_size=32", "model.ffn_hidden_size=64", "model.max_position_embeddings=48",
+    "warmstart.steps=40", "warmstart.batch_size=32",
+    "task.num_train=64", "task.num_heldout=8",
+    "trainer.prompts_per_step=8", "trainer.checkpoint_every=1",
+    "rollout.n=4", "rollout.max_new_tokens=24",
+    "parallel.micro_batch_size=16",
+    "eval.num_problems=4", "eval.n_samples=4",
+    "logging.tensorboard=false", "run.progress_bar=false",
+]
+
+
+@pytest.fixture(scope="session")
+def warm_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("warmstart-cache"))
+
+
+@pytest.fixture
+def tiny_args(warm_cache):
+    def make(run_dir, *extra):
+        return TINY + [f"warmstart.cache_dir={warm_cache}", f"run.dir={run_dir}", *extra]
+    return make
+
+
+def run_train(args, nproc=1, timeout=600, **popen):
+    """Start recipes/train.py (under torchrun when nproc > 1) as a subprocess."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if nproc == 1:
+        command = [sys.executable, TRAIN, *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", TRAIN, *args]
+    return subprocess.Popen(command, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **popen)

@@ -1,0 +1,63 @@
+"""The megatron rollout backend: grouped layout and layout-independent sequence ids."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
+from mcore_ranks import run_ranks  # noqa: E402
+
+from quatro_nemo.engine.rollout import get_rollout_backend, global_sequence_ids, pad_to_length  # noqa: E402
+from quatro_nemo.megatron.sampling import SamplingParams  # noqa: E402
+
+
+def test_global_sequence_ids_by_hand():
+    assert global_sequence_ids(0, 2, 3) == [0, 1, 2, 3, 4, 5]
+    assert global_sequence_ids(2, 1, 3) == [6, 7, 8]
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match="rollout.backend='vllm-typo'"):
+        get_rollout_backend("vllm-typo")
+
+
+def _rollouts(rank, out_dir):
+    from quatro_nemo.megatron.models import ModelConfig, build_model
+    from quatro_nemo.megatron.parallel import initialize_parallel
+    from quatro_nemo.megatron.sampling import generate
+
+    initialize_parallel(1, 1, seed=3)
+    model = build_model(ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=4,
+                                    max_position_embeddings=32, init_method_std=0.3))
+    backend = get_rollout_backend("megatron", model=model, eos_id=2, pad_id=0)
+    prompts = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11]]
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6, seed=4)
+    whole = backend.generate(prompts, 3, params)
+    second_half = backend.generate(prompts[2:], 3, params, first_prompt_index=2)
+    rows = [p for p in prompts for _ in range(3)]
+    direct = generate(model, rows, params, eos_id=2, pad_id=0, sequence_ids=list(range(12)))
+    torch.save(dict(whole=whole, second_half=second_half, direct=direct, prompts=prompts), f"{out_dir}/r.pt")
+
+
+@pytest.mark.distributed
+def test_grouped_layout_and_prompt_offsets(tmp_path):
+    run_ranks(1, _rollouts, str(tmp_path))
+    r = torch.load(tmp_path / "r.pt", weights_only=False)
+    whole, half, direct = r["whole"], r["second_half"], r["direct"]
+    assert (whole.num_prompts, whole.num_samples) == (4, 3)
+    assert whole.tokens.shape[0] == 12
+    for g, prompt in enumerate(r["prompts"]):
+        for j in range(3):
+            assert whole.tokens[g * 3 + j, : len(prompt)].tolist() == prompt
+    assert torch.equal(whole.tokens, direct.tokens)
+    # the second half generated alone equals rows 6..11 of the whole batch
+    length = half.tokens.shape[1]
+    assert torch.equal(half.tokens, whole.tokens[6:, :length])
+    assert len(set(map(tuple, whole.response_ids()))) > 3  # samples differ
+    assert torch.equal(whole.position_ids[5], torch.arange(whole.tokens.shape[1]))
+    padded = pad_to_length(half.sample, length + 3, pad_id=0)
+    assert padded.tokens.shape[1] == length + 3 and padded.response_mask.shape[1] == length + 2
+    assert (padded.tokens[:, length:] == 0).all()

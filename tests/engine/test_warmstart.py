@@ -1,0 +1,165 @@
+"""Warm-start: biased demonstrations, label alignment, cache keyed by configs, loads in any layout."""
+from __future__ import annotations
+
+import random
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
+from mcore_ranks import run_ranks  # noqa: E402
+
+from quatro_nemo.data.countdown import CountdownTaskConfig, is_correct, parse_steps, split_of  # noqa: E402
+from quatro_nemo.data.tokenizer import CharTokenizer, TokenizerConfig  # noqa: E402
+from quatro_nemo.engine.warmstart import (  # noqa: E402
+    WarmStartConfig,
+    cache_key,
+    demonstration_batch,
+    draw_demonstration,
+)
+
+TASK = CountdownTaskConfig()
+
+
+def _op_counts(config, draws=600):
+    rng = random.Random(0)
+    counts = Counter()
+    for _ in range(draws):
+        problem, solution = draw_demonstration(rng, TASK, config)
+        assert is_correct(problem["numbers"], problem["target"], solution), (problem, solution)
+        assert split_of(problem["numbers"], problem["target"], TASK.heldout_fraction) == "train"
+        counts.update(op for _, op, _, _ in parse_steps(solution))
+    return counts
+
+
+def test_demonstrations_are_correct_train_problems_with_biased_operators():
+    biased = _op_counts(WarmStartConfig())
+    uniform = _op_counts(WarmStartConfig(op_weights={"+": 1, "-": 1, "*": 1, "/": 1}))
+    biased_share = (biased["-"] + biased["/"]) / sum(biased.values())
+    uniform_share = (uniform["-"] + uniform["/"]) / sum(uniform.values())
+    assert 0.02 < biased_share < 0.2 < uniform_share  # rare, but not absent
+
+
+def test_loss_mask_selects_exactly_the_solution_and_eos_labels():
+    tokenizer = CharTokenizer()
+    config = WarmStartConfig(batch_size=5)
+    tokens, loss_mask = demonstration_batch(random.Random(1), TASK, config, tokenizer)
+    rng = random.Random(1)
+    for row in range(5):
+        problem, solution = draw_demonstration(rng, TASK, config)
+        labels = tokens[row, 1:][loss_mask[row, :-1].bool()].tolist()
+        assert labels == tokenizer.encode(solution) + [tokenizer.eos_id]
+        assert loss_mask[row, -1] == 0 or tokens.shape[1] > len(labels)
+
+
+def test_cache_key_depends_on_every_config_but_not_the_directory():
+    from quatro_nemo.megatron.models import ModelConfig
+
+    model = ModelConfig(vocab_size=32)
+    base = cache_key(TASK, TokenizerConfig(), model, WarmStartConfig())
+    assert base == cache_key(TASK, TokenizerConfig(), model, WarmStartConfig(cache_dir="/elsewhere"))
+    others = {
+        cache_key(replace(TASK, seed=1), TokenizerConfig(), model, WarmStartConfig()),
+        cache_key(TASK, TokenizerConfig(pad_vocab_to_multiple_of=32), model, WarmStartConfig()),
+        cache_key(TASK, TokenizerConfig(), ModelConfig(vocab_size=32, hidden_size=64), WarmStartConfig()),
+        cache_key(TASK, TokenizerConfig(), model, WarmStartConfig(steps=7)),
+    }
+    assert base not in others and len(others) == 4
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"steps": 0}, "warmstart.steps"),
+    ({"op_weights": {"+": 1.0}}, "warmstart.op_weights"),
+    ({"larger_first": 1.5}, "warmstart.larger_first"),
+])
+def test_config_validation_names_the_key(overrides, key):
+    with pytest.raises(ValueError, match=key):
+        WarmStartConfig(**overrides)
+
+
+def _tiny_configs(cache_dir):
+    from quatro_nemo.megatron.models import ModelConfig
+
+    model = ModelConfig(vocab_size=32, hidden_size=16, num_layers=2, num_attention_heads=2, max_position_embeddings=48)
+    return TASK, TokenizerConfig(), model, WarmStartConfig(steps=3, batch_size=4, cache_dir=cache_dir)
+
+
+def _load_and_forward(rank, tp, cache_dir, out_dir):
+    from quatro_nemo.engine.warmstart import load_or_train_base_model
+    from quatro_nemo.megatron.models import build_model, load_full_state_dict
+    from quatro_nemo.megatron.parallel import initialize_parallel
+
+    task, tok, model_config, warm = _tiny_configs(cache_dir)
+    if tp > 1:
+        initialize_parallel(tp, 1, seed=0)  # a multi-rank group: rank 0 trains in a subprocess
+    state, report = load_or_train_base_model(task, tok, model_config, warm)
+    if tp == 1:
+        initialize_parallel(1, 1, seed=0)
+    model = build_model(model_config)
+    load_full_state_dict(model, state)
+    tokens = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(5).unsqueeze(0), None, runtime_gather_output=True)
+    torch.save(dict(logits=logits, report=report), f"{out_dir}/tp{tp}_rank{rank}.pt")
+
+
+@pytest.mark.distributed
+def test_base_model_is_cached_once_and_loads_in_a_tp2_layout(tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    run_ranks(2, _load_and_forward, 2, cache_dir, str(tmp_path))  # cache missing: built by rank 0
+    files = list((tmp_path / "cache").glob("base-*.pt"))
+    assert len(files) == 1
+    mtime = files[0].stat().st_mtime_ns
+    run_ranks(1, _load_and_forward, 1, cache_dir, str(tmp_path))  # cache hit: not retrained
+    assert files[0].stat().st_mtime_ns == mtime
+    reference = torch.load(tmp_path / "tp1_rank0.pt", weights_only=False)
+    assert reference["report"]["steps"] == 3
+    for rank in range(2):
+        got = torch.load(tmp_path / f"tp2_rank{rank}.pt", weights_only=False)
+        torch.testing.assert_close(got["logits"], reference["logits"], atol=1e-5, rtol=1e-5)
+
+
+class _FixedBackend:
+    """Returns given response strings (no model): measure_policy's bookkeeping by hand."""
+
+    def __init__(self, tokenizer, responses):
+        self.tokenizer, self.responses = tokenizer, responses
+
+    def generate(self, prompts, num_samples, params, first_prompt_index=0):
+        from quatro_nemo.engine.rollout import RolloutBatch
+        from quatro_nemo.megatron.sampling import SampleOutput
+
+        rows = [(list(p), self.tokenizer.encode_response(r))
+                for p, r in zip([p for p in prompts for _ in range(num_samples)], self.responses)]
+        length = max(len(p) + len(r) for p, r in rows)
+        tokens = torch.zeros(len(rows), length, dtype=torch.long)
+        for i, (p, r) in enumerate(rows):
+            tokens[i, : len(p) + len(r)] = torch.tensor(p + r)
+        n = len(rows)
+        sample = SampleOutput(tokens=tokens, response_mask=torch.zeros(n, length - 1),
+                              logprobs=torch.zeros(n, length - 1),
+                              prompt_lengths=torch.tensor([len(p) for p, _ in rows]),
+                              response_lengths=torch.tensor([len(r) for _, r in rows]),
+                              finished=torch.ones(n, dtype=torch.bool))
+        return RolloutBatch(sample=sample, num_prompts=len(prompts), num_samples=num_samples)
+
+
+def test_measure_policy_by_hand():
+    from quatro_nemo.engine.warmstart import measure_policy
+
+    tokenizer = CharTokenizer()
+    problems = [{"prompt": "1 2 4>12:", "numbers": [1, 2, 4], "target": 12},
+                {"prompt": "2 3>6:", "numbers": [2, 3], "target": 6}]
+    responses = ["1+2=3,3*4=12", "2+1=3,3*4=12", "1+2=3,4*3=12", "1+2=3,3*4=12",  # 4/4, 3 strings, 1 expr
+                 "2*3=6", "2+3=5", "1", "6=2*3"]                                   # 1/4
+    m = measure_policy(_FixedBackend(tokenizer, responses), problems, tokenizer, 4, params=None)
+    assert m["success_rates"] == [1.0, 0.25]
+    assert m["success_buckets"] == {"[0,0.03125)": 0.0, "[0.03125,0.125)": 0.0, "[0.125,0.5)": 0.5, "[0.5,1]": 0.5}
+    assert m["distinct_correct_per_problem"]["max"] == 3.0 and m["distinct_correct_per_problem"]["min"] == 1.0
+    assert m["distinct_correct_expressions_per_problem"]["max"] == 1.0
+    assert m["solved_always"] == 0.5 and m["solved_never"] == 0.0
+    assert m["response_length_tokens"]["max"] == len("1+2=3,3*4=12") + 1

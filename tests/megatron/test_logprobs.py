@@ -1,0 +1,52 @@
+"""vocab_parallel_logprobs_and_entropy at TP=1 against a float64 full-softmax autograd reference.
+
+(The TP=2 path, with its all-reduces, is checked in test_parallel_equivalence.py.)
+"""
+import torch
+
+from quatro_nemo.megatron.logprobs import token_logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
+
+
+def _float64_reference(logits, target):
+    logp = torch.log_softmax(logits.double(), -1)
+    return logp.gather(-1, target[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
+
+
+def test_values_and_gradients_match_float64_full_softmax():
+    gen = torch.Generator().manual_seed(0)
+    logits = (3.0 * torch.randn(3, 5, 17, generator=gen)).requires_grad_()
+    target = torch.randint(0, 17, (3, 5), generator=gen)
+    w_lp, w_ent = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+
+    logprobs, entropy = vocab_parallel_logprobs_and_entropy(logits, target, group=None, vocab_start=0)
+    (w_lp * logprobs + w_ent * entropy).sum().backward()
+
+    logits64 = logits.detach().double().requires_grad_()
+    ref_lp, ref_ent = _float64_reference(logits64, target)
+    (w_lp.double() * ref_lp + w_ent.double() * ref_ent).sum().backward()
+
+    torch.testing.assert_close(logprobs.double(), ref_lp.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy.double(), ref_ent.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.grad.double(), logits64.grad, rtol=1e-5, atol=1e-6)
+    assert logits.grad.abs().max() > 0.01
+
+
+def test_only_logprobs_used_gives_the_cross_entropy_gradient():
+    logits = torch.tensor([[0.5, -1.0, 2.0, 0.0]], requires_grad=True)
+    target = torch.tensor([2])
+    logprobs, _ = vocab_parallel_logprobs_and_entropy(logits, target, group=None, vocab_start=0)
+    logprobs.sum().backward()
+    p = torch.softmax(logits.detach().double(), -1)
+    expected = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64) - p  # onehot - p
+    torch.testing.assert_close(logits.grad.double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_input_logits_are_not_modified_and_uniform_entropy_is_log_v():
+    logits = torch.zeros(2, 4, 8)
+    tokens = torch.randint(0, 8, (2, 4))
+    before = logits.clone()
+    logprobs, entropy = token_logprobs_and_entropy(logits, tokens)
+    assert logprobs.shape == entropy.shape == (2, 3)
+    torch.testing.assert_close(entropy, torch.full((2, 3), float(torch.log(torch.tensor(8.0)))))
+    torch.testing.assert_close(logprobs, torch.full((2, 3), -float(torch.log(torch.tensor(8.0)))))
+    assert torch.equal(logits, before)

@@ -1,0 +1,268 @@
+"""Loss, metrics and EVERY parameter gradient under TP / PP / DP equal a single-process reference.
+
+The reference (one forked process, TP = PP = DP = 1) runs the tiny GPT on the whole global batch
+with plain PyTorch: ``torch.log_softmax`` over the full vocabulary, the registry loss with the
+full batch's :class:`LossNormalizer`, ``loss.backward()``. No code of ``quatro_nemo.megatron``
+besides the model builder is on that path (no schedule, no vocab-parallel function, no
+normaliser all-reduce, no gradient finalisation). Log-probs and entropies are also checked
+against a float64 full-softmax reference.
+
+Each parallel layout loads the reference weights (``load_full_state_dict``), runs
+``compute_logprobs`` and ``train_step_forward_backward`` for every loss and two micro-batch
+splits, gathers its gradients back to full tensors and compares on every rank.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mcore_ranks import run_ranks
+
+LOSSES = ("quatro", "gspo", "dapo", "grpo")
+SEED = 1234
+NUM_SEQUENCES, SEQ_LEN = 8, 12
+REL_TOL = 1e-5
+
+
+def _model_config():
+    from quatro_nemo.megatron.models import ModelConfig
+
+    return ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
+                       max_position_embeddings=SEQ_LEN, architecture="gpt", tie_embeddings=True)
+
+
+def _qwen2_config():
+    """Qwen2-style: GQA (4 heads, 2 KV groups), SwiGLU, RMSNorm, QKV bias, RoPE, untied."""
+    from quatro_nemo.megatron.models import ModelConfig
+
+    return ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
+                       num_query_groups=2, ffn_hidden_size=48, max_position_embeddings=SEQ_LEN,
+                       architecture="qwen2", rotary_base=1000, tie_embeddings=False)
+
+
+def _float64_logprobs_entropy(model, tokens, position_ids):
+    """Full-vocabulary softmax in float64: (log p(next token), entropy), both [S, T]."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(tokens, position_ids, None)[:, :-1].double(), -1)
+    return logp.gather(-1, tokens[:, 1:, None])[..., 0], -(logp.exp() * logp).sum(-1)
+
+
+def _algo_config(loss_name):
+    from quatro_nemo.algos import get_algorithm
+
+    return get_algorithm(loss_name).config_cls(beta=0.01)
+
+
+def _make_batch(logprobs_now: torch.Tensor) -> dict:
+    """A fixed global batch: prompts of 3-5 tokens, responses of varied length, right padding."""
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(1, 64, (NUM_SEQUENCES, SEQ_LEN), generator=gen)
+    response_mask = torch.zeros(NUM_SEQUENCES, SEQ_LEN - 1)
+    for row in range(NUM_SEQUENCES):
+        prompt_len = 3 + row % 3
+        response_len = 2 + (row * 5) % (SEQ_LEN - prompt_len - 1)
+        end = prompt_len + response_len
+        tokens[row, end:] = 0  # pad id
+        response_mask[row, prompt_len - 1:end - 1] = 1.0
+    # pi_old off the current policy by per-row amounts: 0 (on-policy), tiny (inside GSPO's
+    # clip range), moderate and large (PPO clip active).
+    scale = torch.tensor([0.0, 2e-4, 0.1, 0.4]).repeat(NUM_SEQUENCES // 4).unsqueeze(-1)
+    old = logprobs_now + scale * torch.randn(logprobs_now.shape, generator=gen)
+    ref = logprobs_now + 0.2 * torch.randn(logprobs_now.shape, generator=gen)
+    return dict(tokens=tokens, position_ids=torch.arange(SEQ_LEN).expand(NUM_SEQUENCES, SEQ_LEN).clone(),
+                response_mask=response_mask, old_logprobs=old, ref_logprobs=ref,
+                advantages=torch.randn(NUM_SEQUENCES, generator=gen))
+
+
+def _reference_loss_and_grads(model, batch, loss_name):
+    """Plain single-process full-batch loss, metrics and gradients (no quatro_nemo.megatron code)."""
+    from quatro_nemo.algos import get_policy_loss
+    from quatro_nemo.algos.aggregation import LossNormalizer
+
+    tokens = batch["tokens"]
+    model.zero_grad(set_to_none=True)
+    log_softmax = torch.log_softmax(model(tokens, batch["position_ids"], None)[:, :-1], -1)
+    logprobs = log_softmax.gather(-1, tokens[:, 1:, None])[..., 0]
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    loss, metrics = get_policy_loss(loss_name)(
+        logprobs, batch["old_logprobs"], batch["advantages"], batch["response_mask"],
+        _algo_config(loss_name), LossNormalizer.from_mask(batch["response_mask"]),
+        ref_logprobs=batch["ref_logprobs"], entropy=entropy.detach())
+    loss.backward()
+    # Guard against a vacuous comparison (e.g. every sequence clipped): gradients must flow.
+    assert model.embedding.word_embeddings.weight.grad.abs().max() > 1e-6, loss_name
+    return dict(loss=loss.item(), metrics={k: v.item() for k, v in metrics.items()},
+                grads={name: p.grad.clone() for name, p in model.named_parameters()})
+
+
+def _reference_rank(rank, path):
+    from quatro_nemo.megatron.models import build_model
+    from quatro_nemo.megatron.parallel import initialize_parallel
+
+    initialize_parallel(seed=SEED)
+    model = build_model(_model_config())
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    position_ids = torch.arange(SEQ_LEN).expand(NUM_SEQUENCES, SEQ_LEN)
+    probe = torch.randint(1, 64, (NUM_SEQUENCES, SEQ_LEN), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = model(probe, position_ids, None)
+        now = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, probe[:, 1:, None])[..., 0]
+    batch = _make_batch(now.float())
+
+    tokens = batch["tokens"]
+    ref_logprobs64, ref_entropy64 = _float64_logprobs_entropy(model, tokens, position_ids)
+
+    results = {name: _reference_loss_and_grads(model, batch, name) for name in LOSSES}
+    qwen2 = build_model(_qwen2_config())
+    qwen2_logprobs64, qwen2_entropy64 = _float64_logprobs_entropy(qwen2, tokens, position_ids)
+    torch.save(dict(state=state, batch=batch, logprobs64=ref_logprobs64, entropy64=ref_entropy64,
+                    results=results,
+                    qwen2=dict(state={n: p.detach().clone() for n, p in qwen2.named_parameters()},
+                               logprobs64=qwen2_logprobs64, entropy64=qwen2_entropy64,
+                               quatro=_reference_loss_and_grads(qwen2, batch, "quatro"))), path)
+
+
+def _assert_close(name, actual, expected, rel=REL_TOL):
+    actual, expected = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
+    scale = expected.abs().max().clamp_min(1e-6)
+    err = (actual - expected).abs().max() / scale
+    assert err <= rel, f"{name}: relative error {err.item():.3e} > {rel}"
+
+
+def _full_gradient(model, name, param):
+    """The TP=1 gradient of ``param``: TP shards all-gathered and merged by checkpoint's layout."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from quatro_nemo.megatron.checkpoint import merge_shards, partition_layout
+
+    partition_dim, stride = partition_layout(model, name, param)
+    if partition_dim is None or ps.get_tensor_model_parallel_world_size() == 1:
+        return param.grad
+    shards = [torch.empty_like(param.grad) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(shards, param.grad.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return merge_shards(shards, partition_dim, stride)
+
+
+def _assert_step_matches(where, model, metrics, expected, covered):
+    """Loss, every metric and every gradient (gathered to full tensors) equal the reference."""
+    from quatro_nemo.megatron.models import global_parameter_name
+
+    _assert_close(f"{where} loss", metrics["loss"], expected["loss"])
+    assert set(metrics) == set(expected["metrics"]) | {"loss"}, where
+    for key, value in expected["metrics"].items():
+        _assert_close(f"{where} metric {key}", metrics[key], value)
+    for name, param in model.named_parameters():
+        full_name = global_parameter_name(model, name)
+        covered.add(full_name)
+        _assert_close(f"{where} grad {full_name}", _full_gradient(model, name, param),
+                      expected["grads"][full_name])
+
+
+def _assert_every_parameter_compared(covered, full_state):
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, covered)
+    assert set().union(*everyone) == set(full_state), "some parameters were never compared"
+
+
+def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, path):
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+    from quatro_nemo.megatron.loss import global_loss_normalizer
+    from quatro_nemo.megatron.models import build_model, global_parameter_name
+    from quatro_nemo.megatron.parallel import initialize_parallel
+
+    ref = torch.load(path)
+    layout = initialize_parallel(tensor_parallel, pipeline_parallel, seed=SEED)
+    model = build_model(_model_config())
+    load_full_state_dict(model, ref["state"])
+    rows = slice(layout.dp_rank * NUM_SEQUENCES // layout.data_parallel,
+                 (layout.dp_rank + 1) * NUM_SEQUENCES // layout.data_parallel)
+    batch = {key: value[rows] for key, value in ref["batch"].items()}
+
+    logprobs, entropy = compute_logprobs(model, batch, micro_batch_sizes[0])
+    _assert_close("logprobs vs float64", logprobs, ref["logprobs64"][rows])
+    _assert_close("entropy vs float64", entropy, ref["entropy64"][rows])
+
+    covered = set()
+    for loss_name in LOSSES:
+        expected = ref["results"][loss_name]
+        for micro_batch_size in micro_batch_sizes:
+            model.zero_grad(set_to_none=True)
+            metrics = train_step_forward_backward(model, batch, loss_name, _algo_config(loss_name),
+                                                  micro_batch_size)
+            where = f"{loss_name} tp={tensor_parallel} pp={pipeline_parallel} mbs={micro_batch_size}"
+            _assert_step_matches(where, model, metrics, expected, covered)
+    _assert_every_parameter_compared(covered, ref["state"])
+
+    # One optimizer step over two calls (gradient accumulation across calls): global normaliser
+    # passed in, gradients finalised once, after the second call.
+    normalizer = global_loss_normalizer(batch["response_mask"])
+    half = batch["tokens"].shape[0] // 2
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for part, finalize in ((slice(0, half), False), (slice(half, None), True)):
+        metrics = train_step_forward_backward(
+            model, {key: value[part] for key, value in batch.items()}, "quatro", _algo_config("quatro"),
+            micro_batch_size=1, normalizer=normalizer, finalize_grads=finalize)
+        losses.append(metrics["loss"])
+    expected = ref["results"]["quatro"]
+    _assert_close("two calls, summed loss", sum(losses), expected["loss"])
+    for name, param in model.named_parameters():
+        _assert_close(f"two calls, grad {name}", _full_gradient(model, name, param),
+                      expected["grads"][global_parameter_name(model, name)])
+
+
+@pytest.fixture(scope="module")
+def reference_path(tmp_path_factory):
+    path = os.path.join(tmp_path_factory.mktemp("megatron_ref"), "reference.pt")
+    run_ranks(1, _reference_rank, path)
+    return path
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world_size, tensor_parallel, pipeline_parallel, micro_batch_sizes",
+    [
+        pytest.param(2, 2, 1, (2, 8), id="tp2"),
+        pytest.param(2, 1, 2, (2, 4), id="pp2"),
+        pytest.param(2, 1, 1, (1, 4), id="dp2"),
+        pytest.param(4, 2, 2, (2, 8), id="tp2xpp2"),
+    ],
+)
+def test_loss_and_gradients_match_single_process(reference_path, world_size, tensor_parallel,
+                                                 pipeline_parallel, micro_batch_sizes):
+    run_ranks(world_size, _parallel_rank, tensor_parallel, pipeline_parallel, micro_batch_sizes,
+              reference_path)
+
+
+def _qwen2_rank(rank, tensor_parallel, pipeline_parallel, path):
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+    from quatro_nemo.megatron.models import build_model
+    from quatro_nemo.megatron.parallel import initialize_parallel
+
+    ref = torch.load(path)
+    initialize_parallel(tensor_parallel, pipeline_parallel, seed=SEED + 1)
+    model = build_model(_qwen2_config())
+    load_full_state_dict(model, ref["qwen2"]["state"])
+    logprobs, entropy = compute_logprobs(model, ref["batch"], micro_batch_size=4)
+    _assert_close("qwen2 logprobs vs float64", logprobs, ref["qwen2"]["logprobs64"])
+    _assert_close("qwen2 entropy vs float64", entropy, ref["qwen2"]["entropy64"])
+
+    covered = set()
+    model.zero_grad(set_to_none=True)
+    metrics = train_step_forward_backward(model, ref["batch"], "quatro", _algo_config("quatro"), 4)
+    _assert_step_matches("qwen2 quatro tp=2 pp=2", model, metrics, ref["qwen2"]["quatro"], covered)
+    _assert_every_parameter_compared(covered, ref["qwen2"]["state"])
+
+
+@pytest.mark.distributed
+def test_qwen2_under_tp2_pp2_matches_single_process(reference_path):
+    """GQA QKV shards, SwiGLU fc1 shards, RoPE and the untied output layer: log-probs and
+    entropies vs float64, and the QUATRO loss, metrics and every gradient vs the reference."""
+    run_ranks(4, _qwen2_rank, 2, 2, reference_path)

@@ -1,0 +1,222 @@
+"""The cluster scripts without a cluster: linters, template invariants, argument handling.
+
+Fast (a few seconds); the behaviour on a real SLURM cluster is in test_one_node.py and
+test_two_nodes.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+TEMPLATES = ["slurm/quatro_1p5b.sh", "slurm/quatro_7b.sh", "slurm/eval.sh"]
+SHELL_SCRIPTS = TEMPLATES + ["slurm/sweep.sh", "slurm/lib/common.sh", "slurm/lib/launch.sh",
+                             "scripts/slurm_local.sh"]
+
+
+def tool(name: str) -> str:
+    """A linter from the environment (requirements/test.txt ships both as wheels), else PATH."""
+    path = BIN / name if (BIN / name).exists() else shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed")
+    return str(path)
+
+
+def run(*args, env=None, cwd=ROOT):
+    return subprocess.run(args, cwd=cwd, env={**os.environ, **(env or {})}, text=True,
+                          capture_output=True, timeout=60)
+
+
+def test_shell_scripts_pass_shellcheck():
+    result = run(tool("shellcheck"), "-x", *SHELL_SCRIPTS)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_passes_hadolint():
+    result = run(tool("hadolint"), "Dockerfile")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def sbatch_directives(template: str) -> list:
+    """The #SBATCH options sbatch reads: it stops at the first line that is not a comment."""
+    options = []
+    for line in (ROOT / template).read_text().splitlines()[1:]:
+        if line.strip() and not line.startswith("#"):
+            break
+        if line.startswith("#SBATCH"):
+            options.append(line.split()[1])
+    return options
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_template_requeues_on_signal_and_logs_per_job(template):
+    options = sbatch_directives(template)
+    names = [o.split("=")[0] for o in options]
+    assert len(names) == len(set(names)), f"{template}: an #SBATCH option is given twice"
+    assert "--requeue" in options
+    assert "--open-mode=append" in options  # a requeued job appends to its log
+    (signal,) = [o for o in options if o.startswith("--signal=")]
+    assert re.fullmatch(r"--signal=B:USR1@[1-9][0-9]*", signal)
+    for required in ("--job-name", "--nodes", "--ntasks-per-node", "--gpus-per-node", "--time", "--output"):
+        assert required in names, f"{template}: no #SBATCH {required}"
+    (output,) = [o.split("=", 1)[1] for o in options if o.startswith("--output=")]
+    assert (ROOT / output).parent.is_dir(), f"{template}: log folder {output} missing (sbatch won't create it)"
+    assert "%j" in output
+    text = (ROOT / template).read_text()
+    assert "quatro_run_recipe" in text and 'source "$QUATRO_ROOT/slurm/lib/common.sh"' in text
+
+
+def test_training_templates_differ_only_in_size_and_config():
+    small, large = ((ROOT / t).read_text().splitlines() for t in TEMPLATES[:2])
+    assert len(small) == len(large)
+    differing = [(a, b) for a, b in zip(small, large) if a != b]
+    allowed = re.compile(r"^(#.*|quatro_run_recipe train run\.dir config=\S+ -- \"\$@\")$")
+    assert all(allowed.match(a) and allowed.match(b) for a, b in differing), differing
+
+
+# ---------------------------------------------------------------------------------------------
+# launch.sh: per-rank environment and recipe lookup (what srun and `docker run` execute)
+# ---------------------------------------------------------------------------------------------
+
+ENV_DUMP = """import json, os, sys
+keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]
+print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys},
+                  "pythonpath0": os.environ["PYTHONPATH"].split(":")[0]}))
+"""
+
+
+@pytest.fixture
+def recipes_dir(tmp_path):
+    (tmp_path / "train.py").write_text(ENV_DUMP)
+    return tmp_path
+
+
+def launch(recipes_dir, *args, **env):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE",
+                                                                       "LOCAL_RANK", "MASTER_"))}
+    return subprocess.run(["bash", str(ROOT / "slurm/lib/launch.sh"), *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=60,
+                          env={**clean, "QUATRO_RECIPES_DIR": str(recipes_dir), **env})
+
+
+def test_launch_derives_ranks_from_slurm(recipes_dir):
+    result = launch(recipes_dir, "train", "algorithm.delta=0.05", SLURM_STEP_ID="0", SLURM_PROCID="3",
+                    SLURM_NTASKS="4", SLURM_LOCALID="1", MASTER_ADDR="10.0.0.7", MASTER_PORT="21234")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["argv"] == ["algorithm.delta=0.05"]
+    assert out["env"] == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                          "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "21234"}
+    assert out["pythonpath0"] == str(ROOT)  # the checkout's code comes first
+
+
+def test_launch_outside_a_job_step_leaves_ranks_alone(recipes_dir):
+    # The batch shell itself has SLURM_PROCID=0 but no step: nothing to derive there.
+    result = launch(recipes_dir, "train", SLURM_PROCID="0", SLURM_NTASKS="2")
+    assert json.loads(result.stdout)["env"]["RANK"] is None
+
+
+def test_launch_refuses_a_multi_rank_step_without_rendezvous(recipes_dir):
+    result = launch(recipes_dir, "train", SLURM_STEP_ID="0", SLURM_PROCID="1", SLURM_NTASKS="2",
+                    SLURM_LOCALID="1")
+    assert result.returncode == 2
+    assert "MASTER_ADDR/MASTER_PORT not set" in result.stderr
+
+
+def test_launch_names_a_missing_recipe_and_runs_plain_commands(recipes_dir):
+    missing = launch(recipes_dir, "trian")
+    assert missing.returncode == 2 and f"no recipe 'trian' (looked for {recipes_dir}/trian.py)" in missing.stderr
+    command = launch(recipes_dir, "bash", "-c", "echo plain command")  # docker run IMAGE bash -c ...
+    assert command.stdout.strip() == "plain command"
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep.sh and common.sh argument handling (they fail before anything reaches sbatch)
+# ---------------------------------------------------------------------------------------------
+
+
+def sweep(tmp_path, content, *args):
+    sweep_file = tmp_path / "sweep.txt"
+    sweep_file.write_text(content)
+    return run("bash", "slurm/sweep.sh", *args, str(sweep_file), env={"QUATRO_RUNS_DIR": str(tmp_path)})
+
+
+def test_sweep_rejects_run_dir_in_a_set(tmp_path):
+    result = sweep(tmp_path, "seed=1\nseed=2 run.dir=/x\n")
+    assert result.returncode == 2
+    assert "run.dir is set per task by sweep.sh" in result.stderr and "seed=2 run.dir=/x" in result.stderr
+
+
+def test_sweep_rejects_a_line_that_is_not_overrides(tmp_path):
+    result = sweep(tmp_path, "seed=1\n--lr 3\n")
+    assert result.returncode == 2 and "override '--lr' is not key=value" in result.stderr
+
+
+def test_sweep_rejects_an_empty_sweep_file(tmp_path):
+    result = sweep(tmp_path, "# only a comment\n\n")
+    assert result.returncode == 2 and "has no override sets" in result.stderr
+
+
+def bash_common(snippet: str, env=None):
+    return run("bash", "-c", f'set -euo pipefail; source slurm/lib/common.sh; {snippet}', env=env)
+
+
+def test_sweep_sets_skip_comments_and_blank_lines(tmp_path):
+    (tmp_path / "s.txt").write_text("# header\n  a=1   b=2  \n\n   # indented comment\nc=3\n")
+    result = bash_common(f"quatro_sweep_sets {tmp_path}/s.txt")
+    assert result.stdout.splitlines() == ["a=1   b=2", "c=3"]
+
+
+@pytest.mark.parametrize("args, key, expected", [
+    (["a=1", "run.dir=/x", "b=2", "run.dir=/y"], "run.dir", "/y"),   # the last one wins
+    (["+run.dir=/z"], "run.dir", "/z"),                              # Hydra's + prefix
+    (["--data", "d.jsonl", "--out", "/o"], "--out", "/o"),           # argparse, separate value
+    (["--out=/p", "--name", "q"], "--out", "/p"),
+    (["--outdir=/p"], "--out", ""),                                  # a longer flag is not --out
+    (["a=1"], "run.dir", ""),
+])
+def test_last_value_of_a_key(args, key, expected):
+    result = run("bash", "-c", 'source slurm/lib/common.sh; quatro_last_value "$@"', "_", key, *args)
+    assert result.stdout.rstrip("\n") == expected
+
+
+def test_container_flags_with_pyxis_and_refusal_without(tmp_path):
+    with_pyxis, without = tmp_path / "pyxis", tmp_path / "plain"
+    for folder, help_text in ((with_pyxis, "--container-image=[USER@][REGISTRY#]IMAGE"), (without, "--label")):
+        folder.mkdir()
+        (folder / "srun").write_text(f"#!/bin/sh\necho '{help_text}'\n")
+        (folder / "srun").chmod(0o755)
+    snippet = ('QUATRO_ROOT=/repo QUATRO_RUN_DIR=/scratch/runs/r1 QUATRO_CONTAINER_IMAGE=/img/q.sqsh '
+               'QUATRO_CONTAINER_MOUNTS=/data:/data; quatro_container_args; '
+               'printf "%s\\n" "${QUATRO_CONTAINER_ARGS[@]}" "$QUATRO_PYTHON"')
+    ok = bash_common(snippet, env={"PATH": f"{with_pyxis}:{os.environ['PATH']}"})
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines() == [
+        "--container-image=/img/q.sqsh",
+        "--container-mounts=/repo:/repo,/scratch/runs:/scratch/runs,/data:/data",
+        f"--container-workdir={ROOT}",
+        "python",
+    ]
+    refused = bash_common(snippet, env={"PATH": f"{without}:{os.environ['PATH']}"})
+    assert refused.returncode == 2 and "no pyxis" in refused.stderr
+    plain = bash_common("QUATRO_CONTAINER_IMAGE=; quatro_container_args; echo ${#QUATRO_CONTAINER_ARGS[@]}",
+                        env={"PATH": f"{without}:{os.environ['PATH']}"})
+    assert plain.stdout.strip() == "0"  # no image: the plain environment
+
+
+@pytest.mark.parametrize("sweep_file", sorted((ROOT / "slurm" / "sweeps").glob("*.txt")), ids=lambda p: p.name)
+def test_shipped_sweep_sets_are_valid_training_configs(sweep_file):
+    from quatro_nemo.engine.config import load_config
+
+    sets = bash_common(f"quatro_sweep_sets {sweep_file}").stdout.splitlines()
+    assert len(sets) >= 2
+    for line in sets:
+        load_config(line.split())  # raises ConfigError naming the key for an unknown or bad override
