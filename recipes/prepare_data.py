@@ -64,7 +64,9 @@ def load_hub_rows(source: DatasetSource) -> Iterable[Dict[str, Any]]:
 
 
 def convert_rows(source: DatasetSource, rows: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    records = [source.convert_row(dict(row), index) for index, row in enumerate(rows)]
+    # a converter returns None for rows it cannot use (e.g. an APPS problem without tests)
+    converted = (source.convert_row(dict(row), index) for index, row in enumerate(rows))
+    records = [record for record in converted if record is not None]
     ids = [r["id"] for r in records]
     if len(set(ids)) != len(ids):
         dupes = sorted({i for i in ids if ids.count(i) > 1})[:5]

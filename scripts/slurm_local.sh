@@ -141,7 +141,8 @@ cmd_start() {
     if pid_alive "$STATE/run/slurmctld.pid"; then
         die "a local SLURM already runs from $STATE (stop it first: $0 stop)"
     fi
-    rm -rf "$STATE/spool" "$STATE/log"
+    rm -rf "$STATE/spool" "$STATE/log.previous"
+    [ -d "$STATE/log" ] && mv "$STATE/log" "$STATE/log.previous"   # the last cluster's logs, for debugging
     write_config "$nodes"
     start_munge
     export SLURM_CONF=$CONF

@@ -83,6 +83,12 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
+def layout_signature(layout) -> Dict[str, int]:
+    """What a checkpoint's shards depend on (a quatro_nemo.megatron.parallel.ParallelLayout)."""
+    return {"world_size": layout.world_size, "tensor": layout.tensor_parallel,
+            "pipeline": layout.pipeline_parallel, "data": layout.data_parallel}
+
+
 def checkpoint_dir(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step_{step:06d}")
 

@@ -179,7 +179,9 @@ def _section_defaults(section: str, given: DictConfig) -> DictConfig:
     if section == "model":
         from quatro_nemo.megatron.models import ModelConfig
 
-        return OmegaConf.create(dataclasses.asdict(ModelConfig()))
+        # the raw field defaults: the architecture's flavour (norm, SwiGLU, RoPE...) stays None
+        # until ModelConfig.__post_init__ fills it in for the chosen architecture
+        return OmegaConf.create(_raw_field_defaults(ModelConfig))
     if section == "task":
         from quatro_nemo.engine.task import task_defaults
 
@@ -188,7 +190,21 @@ def _section_defaults(section: str, given: DictConfig) -> DictConfig:
         from quatro_nemo.engine.warmstart import WarmStartConfig
 
         return OmegaConf.create(dataclasses.asdict(WarmStartConfig()))
+    from quatro_nemo.engine.memory_plan import PLAN_SECTIONS
+
+    if section in PLAN_SECTIONS:  # cluster, scale, vllm: the cluster-scale settings
+        return OmegaConf.create(dataclasses.asdict(PLAN_SECTIONS[section]()))
     return OmegaConf.create({})
+
+
+def _raw_field_defaults(cls: type) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+    return out
 
 
 def compose(argv: Sequence[str] = (), conf_dir: str = CONF_DIR) -> DictConfig:
@@ -320,7 +336,23 @@ def validate(cfg: DictConfig) -> ExperimentConfig:
         **sections,
     )
     _check_engine_sections(experiment)
+    _check_cluster_plan(experiment)
     return experiment
+
+
+def _check_cluster_plan(c: ExperimentConfig) -> None:
+    """Cluster runs (vLLM rollouts): refuse layouts that cannot fit before any GPU is touched."""
+    from quatro_nemo.engine.memory_plan import PLAN_SECTIONS, PlanError, plan_from_sections, section_from_dict
+
+    try:
+        for name in PLAN_SECTIONS:
+            section_from_dict(name, c.other.get(name))
+        if c.rollout.backend == "vllm":
+            plan_from_sections(c.model, dataclasses.asdict(c.parallel), dataclasses.asdict(c.trainer),
+                               dataclasses.asdict(c.rollout), dataclasses.asdict(c.algorithm),
+                               c.other.get("cluster", {}), c.other.get("scale", {}), c.other.get("vllm", {}))
+    except PlanError as exc:
+        raise ConfigError(f"config key {exc}") from exc
 
 
 def load_config(argv: Sequence[str] = (), conf_dir: str = CONF_DIR) -> ExperimentConfig:

@@ -38,6 +38,7 @@ from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy
 from quatro_nemo.engine.logging import MetricsLogger
+from quatro_nemo.engine.optim import build_optimizer
 from quatro_nemo.engine.report import write_report
 from quatro_nemo.engine.rollout import get_rollout_backend
 from quatro_nemo.engine.task import Task, build_task
@@ -240,15 +241,14 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         reference = build_model(model_cfg)
         load_full_state_dict(reference, base_state)
         reference.requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=trainer.lr, betas=(trainer.adam_beta1, trainer.adam_beta2),
-                                  eps=trainer.adam_eps, weight_decay=trainer.weight_decay)
+    optimizer, scheduled = build_optimizer(policy, trainer.lr, (trainer.adam_beta1, trainer.adam_beta2),
+                                           trainer.adam_eps, trainer.weight_decay)
     warmup = max(trainer.lr_warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda s: min(1.0, (s + 1) / warmup))
     backend = get_rollout_backend(rollout_cfg.backend, model=policy, eos_id=task.eos_id, pad_id=task.pad_id)
 
     # Resume.
-    ckpt_layout = {"world_size": layout.world_size, "tensor": layout.tensor_parallel,
-                   "pipeline": layout.pipeline_parallel, "data": layout.data_parallel}
+    ckpt_layout = ckpt.layout_signature(layout)
     start_step = 0
     resume_from = ckpt.latest_step(run_dir) if cfg.run.resume else None
     if resume_from is not None:

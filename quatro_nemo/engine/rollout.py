@@ -114,6 +114,7 @@ class MegatronRolloutBackend:
 # name -> "module:attribute" of the backend class; the vLLM backend adds one line here.
 _BACKENDS: Dict[str, str] = {
     "megatron": "quatro_nemo.engine.rollout:MegatronRolloutBackend",
+    "vllm": "quatro_nemo.engine.vllm_backend:VllmRolloutBackend",
 }
 
 

@@ -54,6 +54,7 @@ class JsonlTaskConfig:
     eval_path: str = ""         # held-out JSONL evaluated during training
     hf_checkpoint: str = ""     # Hugging Face model directory: tokenizer and base weights
     verifier: str = "math"      # a name in quatro_nemo.rewards (math, code, countdown)
+    verifier_options: Dict[str, Any] = field(default_factory=dict)  # e.g. code: reward, num_workers
 
 
 def task_defaults(name: str) -> Dict[str, Any]:
@@ -140,17 +141,29 @@ def build_jsonl_task(cfg) -> Task:
         if not t[key]:
             raise ValueError(f"task.{key} must be set for task.name=jsonl")
     tokenizer = AutoTokenizer.from_pretrained(t["hf_checkpoint"])
+    # the model's (padded) vocabulary is the checkpoint's, not len(tokenizer)
+    with open(os.path.join(t["hf_checkpoint"], "config.json")) as f:
+        vocab_size = int(json.load(f)["vocab_size"])
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     return Task(
         name="jsonl", train_problems=read_jsonl(t["train_path"]), heldout_problems=read_jsonl(t["eval_path"]),
-        verifier=get_verifier(t["verifier"]), vocab_size=len(tokenizer), eos_id=eos_id, pad_id=pad_id,
+        verifier=get_verifier(t["verifier"], **t["verifier_options"]), vocab_size=vocab_size,
+        eos_id=eos_id, pad_id=pad_id, solution_key=_SOLUTION_KEYS.get(t["verifier"]),
         encode_prompt=lambda problem: tokenizer.encode(problem["prompt"]),
         decode_response=lambda ids: tokenizer.decode([i for i in ids if i != eos_id], skip_special_tokens=True),
         load_base_state=lambda model_cfg: load_hf_state_as_megatron(t["hf_checkpoint"], model_cfg),
     )
 
 
+def _code_solution_key(problem: Dict[str, Any], response: str) -> str:
+    """Programs equal up to formatting, comments and identifier names are one solution."""
+    from quatro_nemo.eval.code_similarity import normalized_program
+
+    return normalized_program(response)
+
+
+_SOLUTION_KEYS = {"code": _code_solution_key}
 _TASKS = {"countdown": build_countdown_task, "jsonl": build_jsonl_task}
 
 

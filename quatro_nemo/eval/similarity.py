@@ -131,9 +131,17 @@ def embedding_similarity(texts: Sequence[str], workers: int = 1,
     return np.clip(np.asarray(emb @ emb.T, dtype=np.float64), -1.0, 1.0)
 
 
+def code_similarity(texts: Sequence[str], workers: int = 1) -> np.ndarray:
+    """ROUGE-L on normalised programs (quatro_nemo.eval.code_similarity; imported lazily)."""
+    from quatro_nemo.eval.code_similarity import code_similarity as normalized_code_similarity
+
+    return normalized_code_similarity(texts, workers)
+
+
 SimilarityFn = Callable[..., np.ndarray]
 
 SIMILARITY_METRICS: Dict[str, SimilarityFn] = {
+    "code": code_similarity,
     "exact": exact_similarity,
     "jaccard": jaccard_similarity,
     "rouge_l": rouge_l_similarity,
@@ -144,7 +152,7 @@ SIMILARITY_METRICS: Dict[str, SimilarityFn] = {
 
 # [choice] near-duplicate thresholds; the paper does not state its values. Override per run.
 DEFAULT_THRESHOLDS: Dict[str, float] = {
-    "exact": 1.0, "jaccard": 0.8, "rouge_l": 0.8, "edit": 0.8, "tfidf": 0.9, "embedding": 0.95,
+    "code": 0.9, "exact": 1.0, "jaccard": 0.8, "rouge_l": 0.8, "edit": 0.8, "tfidf": 0.9, "embedding": 0.95,
 }
 
 

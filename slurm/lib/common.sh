@@ -263,6 +263,9 @@ quatro_run_recipe() {
         quatro_record event end exit_code "$rc" action requeue usr1 "$QUATRO_GOT_USR1"
         quatro_log "checkpoint saved (exit $rc): requeueing job $SLURM_JOB_ID"
         scontrol requeue "$SLURM_JOB_ID"
+        # SLURM now ends this run of the job itself; finishing first would race with the requeue
+        # (a late "batch script done" could be taken for the next run's end).
+        sleep "${QUATRO_REQUEUE_WAIT_S:-300}"
         exit 0
     fi
     quatro_record event end exit_code "$rc" action failed

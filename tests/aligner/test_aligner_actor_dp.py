@@ -48,6 +48,9 @@ class Model(torch.nn.Module):
         self.register_buffer("embedding", data["embedding"].clone())
         self.weight = torch.nn.Parameter(data["weight"].clone())
 
+    def set_input_tensor(self, tensor):  # the schedule's pipeline hook (unused at PP=1)
+        pass
+
     def forward(self, tokens, position_ids, attention_mask, labels=None):
         return self.embedding[tokens] @ self.weight
 

@@ -95,10 +95,11 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_metrics(local_slurm, 
     # The fixture sent USR1 to the batch shell after the first step.
     local_slurm.wait_until(lambda: local_slurm.job(job_id)["Restarts"] == "1"
                            and local_slurm.state(job_id) == "PENDING", 120, "the requeue")
-    local_slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")  # skip the ~2 min hold
+    # Skip the ~2 min requeue hold, leaving slurmd a few seconds to clean up the job's first run.
+    local_slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+5")
     final = local_slurm.wait_done([job_id, reference_id], timeout=400)
 
-    assert final[job_id]["JobState"] == "COMPLETED", job_log(local_slurm, job_id)[-3000:]
+    assert final[job_id]["JobState"] == "COMPLETED", (final[job_id], job_log(local_slurm, job_id)[-3000:])
     assert final[reference_id]["JobState"] == "COMPLETED", job_log(local_slurm, reference_id)[-3000:]
     assert final[job_id]["Restarts"] == "1" and final[reference_id]["Restarts"] == "0"
     launches = read_jsonl(run_dir / "slurm_launches.jsonl")

@@ -1,0 +1,53 @@
+"""Samples from a training checkpoint, for recipes/evaluate.py --checkpoint (one process, CPU or GPU).
+
+`checkpoint` is a run directory (its newest complete checkpoint) or one of its
+`checkpoints/step_XXXXXX` folders. The run's own config.yaml rebuilds the task's tokenizer and the
+model. Checkpoints of multi-rank runs are sharded per rank: export them to Hugging Face format first
+(`recipes/convert_checkpoint.py run-to-hf`) and evaluate that with vLLM.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Sequence
+
+import torch
+from omegaconf import OmegaConf
+
+from quatro_nemo.engine import checkpoint as ckpt
+from quatro_nemo.engine.config import validate
+from quatro_nemo.engine.rollout import MegatronRolloutBackend
+from quatro_nemo.engine.task import build_task
+from quatro_nemo.megatron import parallel
+from quatro_nemo.megatron.models import ModelConfig, build_model
+from quatro_nemo.megatron.sampling import SamplingParams
+
+
+def _run_dir_and_step(checkpoint: str):
+    checkpoint = os.path.abspath(checkpoint)
+    name = os.path.basename(checkpoint)
+    if name.startswith("step_"):
+        return os.path.dirname(os.path.dirname(checkpoint)), int(name.split("_")[1])
+    step = ckpt.latest_step(checkpoint)
+    if step is None:
+        raise ValueError(f"{checkpoint}: no complete checkpoint under {checkpoint}/checkpoints/")
+    return checkpoint, step
+
+
+def generate_samples(checkpoint: str, problems: Sequence[Dict[str, Any]], num_samples: int, temperature: float,
+                     top_p: float, max_new_tokens: int, seed: int) -> List[Dict[str, Any]]:
+    """`num_samples` responses per problem in the samples-file layout (id, benchmark, answer, responses)."""
+    run_dir, step = _run_dir_and_step(checkpoint)
+    cfg = validate(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
+    parallel.initialize_parallel(1, 1, seed=cfg.run.seed)
+    saved_layout = {"world_size": 1, "tensor": 1, "pipeline": 1, "data": 1}
+    state = ckpt.load_checkpoint(run_dir, step, saved_layout)
+    task = build_task(cfg)
+    model_cfg = ModelConfig(**dict(cfg.model, vocab_size=cfg.model.get("vocab_size") or task.vocab_size))
+    model = build_model(model_cfg)
+    model.load_state_dict(state["model"])
+    backend = MegatronRolloutBackend(model, eos_id=task.eos_id, pad_id=task.pad_id)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    with torch.no_grad():
+        _, responses = task.sample(backend, problems, range(len(problems)), num_samples, params)
+    return [{"id": p["id"], "benchmark": p.get("benchmark", "heldout"), "answer": p.get("answer"),
+             "responses": responses[i * num_samples:(i + 1) * num_samples]} for i, p in enumerate(problems)]
