@@ -1,9 +1,14 @@
 # The two commands a new user needs (see README.md).
+#   make train [NPROC=2] [ARGS="algorithm=gspo trainer.steps=40"]
+#   make test  [ARGS="-k dual"]
+NPROC ?= 2
+
 .PHONY: train test
 
-train:  ## install into .venv and run the embedded CPU default end to end
+train:  ## install into .venv, then run the embedded CPU default (data parallel over NPROC processes)
 	bash scripts/bootstrap.sh
-	OMP_NUM_THREADS=1 .venv/bin/python recipes/train.py $(ARGS)
+	OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
+		recipes/train.py $(ARGS)
 
-test:   ## install into .venv and run the whole test suite
+test:   ## install into .venv, then run the whole test suite
 	bash scripts/run_tests.sh $(ARGS)

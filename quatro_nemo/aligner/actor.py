@@ -21,30 +21,21 @@ NeMo-Aligner container, or ``.venv-aligner``). What changes against the parent
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
-import torch
-import torch.distributed
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from omegaconf import OmegaConf
 
 from nemo.collections.nlp.modules.common.megatron.utils import get_iterator_k_split
-from nemo.collections.nlp.parts.utils_funcs import get_last_rank
 from nemo_aligner.models.nlp.gpt.megatron_gpt_reinforce_actor import MegatronGPTReinforceActorModel
 from nemo_aligner.utils import parallel_state
 from nemo_aligner.utils.distributed import from_parallel_logits_to_logprobs
 from nemo_aligner.utils.train_utils import set_sync_funcs
 from quatro_nemo.algos import AlgorithmSpec, LossNormalizer, build_algorithm
-from quatro_nemo.aligner.loss import (
-    all_reduce_metrics,
-    global_normalizer,
-    keys_for_stage,
-    loss_scale,
-    microbatch_loss,
-    reduce_metric_shares,
-)
+from quatro_nemo.aligner.loss import keys_for_stage, loss_scale, microbatch_loss
 from quatro_nemo.megatron.compat import current_device
+from quatro_nemo.megatron.loss import broadcast_from_last_stage, global_loss_normalizer, reduce_metrics
 
 # The config section (under ``model``) that names the algorithm: ``model.quatro.algorithm``.
 ALGORITHM_SECTION = "quatro.algorithm"
@@ -129,8 +120,8 @@ class QuatroReinforceActor(MegatronGPTReinforceActorModel):
         num_microbatches = get_num_microbatches()
         dp_size = parallel_state.get_data_parallel_world_size()
         self._step_loss_context = StepLossContext(
-            normalizer=global_normalizer(batch["response_mask"].to(current_device()),
-                                         parallel_state.get_data_parallel_group()),
+            normalizer=global_loss_normalizer(batch["response_mask"].to(current_device()),
+                                              parallel_state.get_data_parallel_group()),
             scale=loss_scale(num_microbatches, dp_size),
         )
         try:
@@ -153,10 +144,7 @@ class QuatroReinforceActor(MegatronGPTReinforceActorModel):
 
     def reduce_step_metrics(self, metrics_per_microbatch) -> Dict[str, float]:
         """Global metrics of one optimizer step, identical on every rank (see module doc)."""
-        payload = [None]
+        metrics = None
         if parallel_state.is_pipeline_last_stage():
-            local = reduce_metric_shares(metrics_per_microbatch)
-            payload = [all_reduce_metrics(local, parallel_state.get_data_parallel_group(), current_device())]
-        # Only the last pipeline stage ran the loss: send its (DP-reduced) metrics to every rank.
-        torch.distributed.broadcast_object_list(payload, src=get_last_rank())
-        return payload[0]
+            metrics = reduce_metrics(metrics_per_microbatch, parallel_state.get_data_parallel_group())
+        return broadcast_from_last_stage(metrics)

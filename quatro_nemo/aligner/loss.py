@@ -1,4 +1,4 @@
-"""The actor's loss closure, as pure functions (no NeMo import): keys, loss share, normaliser, metrics.
+"""The actor's loss closure, as pure functions (no NeMo import): stage keys and the scaled loss share.
 
 NeMo-Aligner 0.7.0's ``MegatronGPTReinforceActorModel.get_actor_forward_output_and_loss_func``
 (``nemo_aligner/models/nlp/gpt/megatron_gpt_reinforce_actor.py``) computes a REINFORCE loss as a
@@ -15,16 +15,19 @@ ranks), then multiplied by :func:`loss_scale` to undo what Megatron and NeMo do 
   ``gradient_scaling_factor = 1 / dp``).
 
 With the scale ``num_microbatches * dp_size`` the gradient every rank ends with is the gradient of
-the global-batch loss, whatever the micro-batch size and DP size.
+the global-batch loss, whatever the micro-batch size and DP size. (The project's own Megatron
+loop, ``quatro_nemo.megatron.loss.make_loss_func``, scales by ``num_microbatches`` only because it
+SUMS data-parallel gradients.) The global counts and the metric reduction are the Megatron
+layer's: ``quatro_nemo.megatron.loss.global_loss_normalizer`` / ``reduce_metrics`` /
+``broadcast_from_last_stage``.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
 import torch
-import torch.distributed as dist
 
-from quatro_nemo.algos import LossNormalizer, count_sequences, count_tokens
+from quatro_nemo.algos import LossNormalizer
 
 # Keys of a training micro-batch (the actor's batch layout; shapes per docs/interfaces.md,
 # ``response_tokens`` [s, L], the others [s, T = L - 1] except ``advantages`` [s]).
@@ -53,23 +56,6 @@ def loss_scale(num_microbatches: int, dp_size: int) -> int:
     return num_microbatches * dp_size
 
 
-def global_normalizer(response_mask: torch.Tensor, dp_group: Optional[Any] = None) -> LossNormalizer:
-    """Counts of sequences and response tokens over this rank's step batch, summed over DP ranks.
-
-    Args:
-        response_mask: [s, T] mask of ALL micro-batches of this rank's share of one optimizer step.
-        dp_group: the data-parallel process group, or None for a single process.
-    """
-    counts = torch.stack([count_sequences(response_mask).to(torch.float64),
-                          count_tokens(response_mask).to(torch.float64)])
-    if dp_group is not None and dist.is_initialized():
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
-    num_sequences, num_tokens = counts.tolist()
-    if num_tokens <= 0:
-        raise ValueError("the optimizer step's global batch has no response tokens (all responses empty)")
-    return LossNormalizer(num_sequences=num_sequences, num_tokens=num_tokens)
-
-
 def microbatch_loss(
     logprobs: torch.Tensor,
     batch: Mapping[str, Optional[torch.Tensor]],
@@ -86,7 +72,7 @@ def microbatch_loss(
         batch: the micro-batch (``LOSS_KEYS``; ``ref_logprobs`` may be None or absent).
         policy_loss: ``get_policy_loss(name)`` / ``AlgorithmSpec.policy_loss``.
         config: the algorithm's typed config.
-        normalizer: global counts (:func:`global_normalizer`).
+        normalizer: global counts (``quatro_nemo.megatron.loss.global_loss_normalizer``).
         scale: :func:`loss_scale`.
 
     Returns:
@@ -102,48 +88,3 @@ def microbatch_loss(
         ref_logprobs=batch.get("ref_logprobs"),
     )
     return loss * scale, metrics
-
-
-def _reduce_op(key: str) -> str:
-    if key.endswith("/max"):
-        return "max"
-    if key.endswith("/min"):
-        return "min"
-    return "sum"
-
-
-def reduce_metric_shares(per_microbatch: Iterable[Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    """Combine micro-batch metrics (``docs/interfaces.md``): sum additive shares, max/min the rest."""
-    reduced: Dict[str, torch.Tensor] = {}
-    for metrics in per_microbatch:
-        for key, value in metrics.items():
-            value = value.detach().to(torch.float64)
-            if key not in reduced:
-                reduced[key] = value
-            elif _reduce_op(key) == "max":
-                reduced[key] = torch.maximum(reduced[key], value)
-            elif _reduce_op(key) == "min":
-                reduced[key] = torch.minimum(reduced[key], value)
-            else:
-                reduced[key] = reduced[key] + value
-    return reduced
-
-
-def all_reduce_metrics(metrics: Dict[str, torch.Tensor], group: Optional[Any],
-                       device: Any = "cpu") -> Dict[str, float]:
-    """Reduce per-rank metric values over ``group`` (same keys on every rank) into Python floats.
-
-    ``device``: where the collective runs (the current CUDA device under NCCL).
-    """
-    keys = sorted(metrics)
-    result: Dict[str, float] = {}
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    for op_name, op in ops.items():
-        op_keys = [k for k in keys if _reduce_op(k) == op_name]
-        if not op_keys:
-            continue
-        values = torch.stack([metrics[k].reshape(()).to(torch.float64) for k in op_keys]).to(device)
-        if group is not None and dist.is_initialized():
-            dist.all_reduce(values, op=op, group=group)
-        result.update(zip(op_keys, values.tolist()))
-    return result

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-import torch
 from megatron.core import parallel_state as mcore_parallel_state
 
 from nemo_aligner.algorithms.reinforce import (

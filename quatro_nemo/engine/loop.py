@@ -196,10 +196,6 @@ def slice_batch(batch: Dict[str, torch.Tensor], rows: slice) -> Dict[str, torch.
     return {key: value[rows] for key, value in batch.items()}
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((values * mask).sum() / mask.sum().clamp(min=1))
-
-
 # --------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------
@@ -212,8 +208,18 @@ def quiet_library_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*non-contiguous.*")
 
 
+def select_device(device: str) -> None:
+    """trainer.device: `cpu` hides any GPU (megatron then runs over gloo with the CPU shim), `cuda`
+    insists on one, `auto` takes a GPU when there is one. Call before CUDA is first queried."""
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda, but no CUDA device is available (use trainer.device=cpu)")
+
+
 def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     quiet_library_warnings()
+    select_device(cfg.trainer.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     layout = parallel.initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.run.seed)
     rank0 = layout.rank == 0

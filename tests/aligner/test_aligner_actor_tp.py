@@ -15,7 +15,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from aligner_ranks import run_ranks  # noqa: E402
 from aligner_reference import log_softmax_gather, quatro_loss_reference  # noqa: E402
 from quatro_nemo.aligner.actor import QuatroReinforceActor, StepLossContext  # noqa: E402
-from quatro_nemo.aligner.loss import global_normalizer, loss_scale  # noqa: E402
+from quatro_nemo.aligner.loss import loss_scale  # noqa: E402
+from quatro_nemo.megatron.loss import global_loss_normalizer  # noqa: E402
 
 NUM_SEQUENCES, LENGTH, VOCAB, MICRO_BATCH = 4, 7, 10, 2
 BETA = 0.05
@@ -60,7 +61,7 @@ def _tp_rank(rank, log_ratio):
     local_logits = data["logits"][..., rank * shard:(rank + 1) * shard].clone().requires_grad_(True)
     actor = _actor(log_ratio)
     num_microbatches = NUM_SEQUENCES // MICRO_BATCH
-    actor._step_loss_context = StepLossContext(global_normalizer(data["response_mask"]),
+    actor._step_loss_context = StepLossContext(global_loss_normalizer(data["response_mask"]),
                                                loss_scale(num_microbatches, dp_size=1))
     step = actor.get_actor_forward_output_and_loss_func()
     total = 0.0

@@ -7,13 +7,8 @@ independent float64 formula of quatro-math.md (tests/aligner/aligner_reference.p
 import pytest
 import torch
 
-from quatro_nemo.aligner.loss import (
-    global_normalizer,
-    keys_for_stage,
-    loss_scale,
-    microbatch_loss,
-    reduce_metric_shares,
-)
+from quatro_nemo.algos import LossNormalizer
+from quatro_nemo.aligner.loss import keys_for_stage, loss_scale, microbatch_loss
 from aligner_reference import quatro_loss_reference
 
 
@@ -45,12 +40,12 @@ def test_scaled_shares_give_global_loss_and_gradient(quatro_spec, micro_batch_si
                                      beta=0.05, ref_logprobs=data["ref_logprobs"])
     expected_grad, = torch.autograd.grad(expected, theta)
 
-    normalizer = global_normalizer(data["response_mask"])  # the DP all-reduce of counts, one process
+    normalizer = LossNormalizer.from_mask(data["response_mask"])  # global counts: the whole batch
     per_rank = 12 // dp_size
     num_microbatches = per_rank // micro_batch_size
     scale = loss_scale(num_microbatches, dp_size)
     theta = data["logprobs"].clone().requires_grad_(True)
-    total, metrics = 0.0, []
+    total, loss_metric = 0.0, 0.0
     for rank in range(dp_size):
         rank_rows = slice(rank * per_rank, (rank + 1) * per_rank)
         rank_loss = 0.0
@@ -59,14 +54,12 @@ def test_scaled_shares_give_global_loss_and_gradient(quatro_spec, micro_batch_si
             batch = {k: v[rows] for k, v in data.items() if k != "logprobs"}
             loss, mb_metrics = microbatch_loss(theta[rows], batch, spec.policy_loss, config, normalizer, scale)
             rank_loss = rank_loss + loss / num_microbatches  # Megatron's schedule
-            metrics.append(mb_metrics)
+            loss_metric = loss_metric + mb_metrics["policy/loss"]  # additive shares
         total = total + rank_loss / dp_size  # NeMo's DP gradient averaging
     grad, = torch.autograd.grad(total, theta)
     torch.testing.assert_close(total.detach(), expected.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)
-    reduced = reduce_metric_shares(metrics)
-    torch.testing.assert_close(reduced["policy/loss"], expected.detach(), rtol=1e-12, atol=1e-12)
-    assert reduced["policy/seq_ratio/max"] == max(m["policy/seq_ratio/max"] for m in metrics)
+    torch.testing.assert_close(loss_metric, expected.detach(), rtol=1e-12, atol=1e-12)
 
 
 def test_keys_for_stage_sends_loss_tensors_to_last_stage_only():
@@ -77,8 +70,3 @@ def test_keys_for_stage_sends_loss_tensors_to_last_stage_only():
     assert "advantages" not in first and "response_tokens" in first and "position_ids" in first
     last = keys_for_stage(2, False, True)
     assert {"advantages", "old_logprobs", "ref_logprobs", "response_mask"} <= last and "position_ids" not in last
-
-
-def test_empty_global_batch_raises():
-    with pytest.raises(ValueError, match="no response tokens"):
-        global_normalizer(torch.zeros(2, 3))

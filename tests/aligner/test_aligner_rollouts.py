@@ -141,3 +141,26 @@ def test_response_mask_matches_nemo_aligner_loop():
     for i in range(3):  # ppo_utils.create_mask
         expected[i, prompt_lengths[i] - 1: response_lengths[i] - 1] = 1.0
     assert torch.equal(mask, expected)
+
+
+def test_shuffled_shards_move_whole_groups_and_keep_advantages(quatro_spec):
+    spec, config_cls = quatro_spec
+    config = config_cls(delta=0.1)
+    ids = _interleaved_ids(num_prompts=8, num_responses=2, seed=5)
+    rewards = torch.tensor([float(i % 3 == 0) + 0.1 * (i % 5) for i in range(ids.numel())], dtype=torch.float64)
+    tag = torch.arange(ids.numel())  # the original row of each response
+    global_batch = {PROMPT_IDS: ids, REWARDS: rewards, "tag": tag}
+    plain = {}
+    for rank in range(2):
+        shard, _ = shard_global_rollouts(global_batch, 2, spec.advantage_estimator, config, 8, rank, 2)
+        plain.update(zip(shard["tag"].tolist(), shard["advantages"].tolist()))
+    seen = []
+    for rank in range(2):
+        shard, _ = shard_global_rollouts(global_batch, 2, spec.advantage_estimator, config, 8, rank, 2,
+                                         shuffle_seed=4)
+        assert (shard[PROMPT_IDS].view(-1, 2)[:, 0] == shard[PROMPT_IDS].view(-1, 2)[:, 1]).all()
+        for row, advantage in zip(shard["tag"].tolist(), shard["advantages"].tolist()):
+            assert advantage == plain[row]  # the same response keeps its advantage
+        seen.extend(shard["tag"].tolist())
+    assert sorted(seen) == list(range(ids.numel()))
+    assert seen != list(plain)  # the shuffle did reorder the shards

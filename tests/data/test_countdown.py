@@ -139,3 +139,20 @@ def test_measure_task_properties_counts_solutions():
 def test_config_validation_names_the_key(overrides, key):
     with pytest.raises(ValueError, match=key):
         CountdownTaskConfig(**overrides)
+
+
+def test_shipped_default_task_has_many_correct_answers_per_prompt():
+    """conf/config.yaml's task section (the CPU default) keeps docs/cpu-task.md item 1: dozens of
+    distinct correct step strings per held-out prompt and several distinct expressions."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    section = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "config.yaml").task)
+    options = {k: v for k, v in section.items() if k not in ("name", "tokenizer")}
+    config = CountdownTaskConfig(**dict(options, num_heldout=24))
+    props = measure_task_properties(generate_split(config, "heldout"))
+    assert props.solutions_per_problem["min"] >= config.min_solutions
+    assert props.solutions_per_problem["median"] >= 20
+    assert props.expressions_per_problem["median"] >= 4
+    assert props.solution_length_chars["median"] >= 12  # responses of tens of tokens (+ EOS)

@@ -19,7 +19,7 @@ def recipe(tmp_path_factory) -> Recipe:
     if choice == "standin":
         return standin_recipe(tmp_path_factory.mktemp("slurm-recipes"))
     if choice == "real":
-        return real_recipe()
+        return real_recipe(tmp_path_factory.mktemp("slurm-real-recipe"))
     raise ValueError(f"QUATRO_SLURM_TEST_RECIPE must be 'real' or 'standin', got {choice!r}")
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ class Recipe:
     long: List[str]              # overrides for a run long enough to be signalled mid-way
     failing: List[str]           # overrides that make it fail for a real reason
     seed_key: str                # the override that changes the run's random stream
+    update_key: str              # a metric that is non-zero once the model is being updated
 
     def metrics(self, run_dir: Path) -> List[dict]:
         """metrics.jsonl without wall-clock timings (which differ between any two runs)."""
@@ -66,28 +68,41 @@ def standin_recipe(tmp_dir: Path) -> Recipe:
         long=["trainer.steps=8", "trainer.step_seconds=1.0"],
         failing=["trainer.fail_at_step=1"],
         seed_key="seed",
+        update_key="loss",
     )
 
 
-# The embedded CPU default made tiny: `config=config` selects conf/config.yaml (the CPU task)
-# over the template's cluster config, `trainer.device=cpu` keeps it off any GPU.
-REAL_TINY = [
-    "config=config", "trainer.device=cpu", "run.progress_bar=false",
-    "warmstart.steps=20", "task.num_train=64", "task.num_heldout=16",
-    "trainer.prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=12",
-    "parallel.micro_batch_size=8", "eval.num_problems=0", "logging.tensorboard=false",
-    "trainer.checkpoint_every=1",
-]
+def real_recipe(tmp_dir: Path) -> Recipe:
+    """recipes/train.py on the embedded CPU default, made tiny.
 
-
-def real_recipe() -> Recipe:
+    `config=config` selects conf/config.yaml (the CPU task) over the template's cluster config;
+    `trainer.device=cpu` keeps it off any GPU. The 200-step warm-start leaves a base model that
+    solves a few problems, so rewards and gradients are non-zero and a resumed run has real
+    model and optimizer state to restore. It is trained once here, into this session's cache,
+    and every job loads it.
+    """
+    tiny = [
+        "config=config", "trainer.device=cpu", "run.progress_bar=false",
+        "warmstart.steps=200", f"warmstart.cache_dir={tmp_dir / 'warmstart-cache'}",
+        "task.num_train=64", "task.num_heldout=16",
+        "trainer.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=12",
+        "parallel.micro_batch_size=8", "eval.num_problems=0", "logging.tensorboard=false",
+        "trainer.checkpoint_every=1",
+    ]
+    prewarm = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "train.py"), *tiny, "trainer.steps=1",
+         f"run.dir={tmp_dir / 'prewarm'}"],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    if prewarm.returncode != 0:
+        raise RuntimeError(f"warm-start for the SLURM tests failed:\n{prewarm.stdout[-3000:]}{prewarm.stderr[-3000:]}")
     return Recipe(
         name="real",
         env={},
-        tiny=REAL_TINY + ["trainer.steps=2"],
-        long=REAL_TINY + ["trainer.steps=6"],
-        failing=REAL_TINY + ["trainer.steps=2", "algorithm.delta=-1"],
+        tiny=tiny + ["trainer.steps=2"],
+        long=tiny + ["trainer.steps=6"],
+        failing=tiny + ["trainer.steps=2", "algorithm.delta=-1"],
         seed_key="run.seed",
+        update_key="grad_norm",
     )
 
 

@@ -115,6 +115,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_metrics(local_slurm, 
     # Same metrics, step by step, as the run nobody interrupted (CPU, float: bit-identical).
     resumed, reference = recipe.metrics(run_dir), recipe.metrics(reference_dir)
     assert len(reference) > 0
+    assert any(r.get(recipe.update_key, 0) != 0 for r in reference), "the model never changed"
     assert resumed == reference
 
 

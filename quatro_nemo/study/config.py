@@ -1,0 +1,177 @@
+"""The study's typed configuration (conf/study/<name>.yaml), validated with errors naming the key.
+
+A study is a list of training runs (recipes/train.py override sets) in four groups:
+
+- ``compare``:  every algorithm at the default settings over ``seeds`` (claims 1-3 of issue 9);
+- ``sweeps``:   the stability sweeps, one axis at a time from the default: inner loops K at the
+                default learning rate, and learning-rate multipliers at K = 1 (paper Fig. 4a/b);
+- ``ablation``: QUATRO with and without the detached log-ratio term at (delta, K) (Fig. 4c);
+- ``deltas``:   QUATRO at several trust-region radii, for lambda over training (App. C.1).
+
+``train_overrides`` apply to every run (on top of conf/config.yaml, or of ``train_config``);
+they are where a study shrinks the CPU default (e.g. fewer steps in quick mode).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+from omegaconf import OmegaConf
+
+from quatro_nemo.algos import ALGORITHMS
+from quatro_nemo.algos.config import QUATRO_LOG_RATIOS
+
+STUDY_CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "conf", "study")
+QUATRO = "quatro"
+
+
+class StudyConfigError(ValueError):
+    """A problem in a study config; the message names the key."""
+
+
+def _check_algorithms(key: str, names: List[str]) -> None:
+    unknown = [n for n in names if n not in ALGORITHMS]
+    if unknown:
+        raise StudyConfigError(f"{key}: unknown algorithm(s) {unknown}; choose from {sorted(ALGORITHMS)}")
+    if len(set(names)) != len(names):
+        raise StudyConfigError(f"{key}: repeated algorithm in {names}")
+
+
+def _check_seeds(key: str, seeds: List[int]) -> None:
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in seeds) or len(set(seeds)) != len(seeds):
+        raise StudyConfigError(f"{key} must be a non-empty list of distinct integers, got {seeds}")
+
+
+def _check_positive(key: str, values: List[Any], integer: bool) -> None:
+    kind = int if integer else (int, float)
+    if not values or any(isinstance(v, bool) or not isinstance(v, kind) or not math.isfinite(v) or v <= 0
+                         for v in values):
+        raise StudyConfigError(f"{key} must be a non-empty list of positive {'integers' if integer else 'numbers'}, "
+                               f"got {values}")
+
+
+@dataclass
+class SweepConfig:
+    algorithms: List[str] = field(default_factory=lambda: sorted(ALGORITHMS))
+    inner_loops: List[int] = field(default_factory=lambda: [1, 2, 4, 8])     # K, at lr x 1
+    lr_multipliers: List[float] = field(default_factory=lambda: [1.0, 4.0, 16.0])  # x default lr, at K = 1
+    seeds: List[int] = field(default_factory=lambda: [1])
+
+    def validate(self) -> None:
+        _check_algorithms("sweeps.algorithms", self.algorithms)
+        _check_positive("sweeps.inner_loops", self.inner_loops, integer=True)
+        _check_positive("sweeps.lr_multipliers", self.lr_multipliers, integer=False)
+        _check_seeds("sweeps.seeds", self.seeds)
+        for key, values, base in (("sweeps.inner_loops", self.inner_loops, 1),
+                                  ("sweeps.lr_multipliers", self.lr_multipliers, 1.0)):
+            if base not in values:
+                raise StudyConfigError(f"{key} must contain {base} (the default the sweep starts from), got {values}")
+
+
+@dataclass
+class AblationConfig:
+    delta: float = 0.1
+    inner_loops: int = 2
+    log_ratios: List[str] = field(default_factory=lambda: ["seq_sum", "none"])
+    seeds: List[int] = field(default_factory=lambda: [1])
+
+    def validate(self) -> None:
+        _check_positive("ablation.delta", [self.delta], integer=False)
+        _check_positive("ablation.inner_loops", [self.inner_loops], integer=True)
+        bad = [v for v in self.log_ratios if v not in QUATRO_LOG_RATIOS]
+        if bad or "none" not in self.log_ratios or len(set(self.log_ratios)) < 2:
+            raise StudyConfigError(f"ablation.log_ratios must contain 'none' and at least one log-ratio "
+                                   f"statistic (seq_sum, seq_mean), got {self.log_ratios}")
+        _check_seeds("ablation.seeds", self.seeds)
+
+
+@dataclass
+class DeltaConfig:
+    values: List[float] = field(default_factory=lambda: [0.02, 0.05, 0.1])
+    seeds: List[int] = field(default_factory=lambda: [1])
+
+    def validate(self) -> None:
+        _check_positive("deltas.values", self.values, integer=False)
+        if len(self.values) < 2:
+            raise StudyConfigError(f"deltas.values needs at least two radii to compare, got {self.values}")
+        _check_seeds("deltas.seeds", self.seeds)
+
+
+@dataclass
+class StudyConfig:
+    name: str = "study"
+    description: str = ""                        # what this study's scale is; shown in the report
+    train_config: str = "config"                 # primary training config (conf/<train_config>.yaml)
+    train_overrides: List[str] = field(default_factory=list)   # key=value for every run
+    algorithms: List[str] = field(default_factory=lambda: sorted(ALGORITHMS))
+    seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
+    sweeps: SweepConfig = field(default_factory=SweepConfig)
+    ablation: AblationConfig = field(default_factory=AblationConfig)
+    deltas: DeltaConfig = field(default_factory=DeltaConfig)
+    workers: int = 2                             # training processes at a time
+    noise_z: float = 1.0                         # a difference counts when |diff| > noise_z * its std. error
+    time_budget_minutes: float = 90.0            # the target wall time, checked and reported
+
+    def validate(self) -> None:
+        _check_algorithms("algorithms", self.algorithms)
+        if QUATRO not in self.algorithms or len(self.algorithms) < 2:
+            raise StudyConfigError(f"algorithms must contain quatro and at least one baseline, got {self.algorithms}")
+        if QUATRO not in self.sweeps.algorithms:
+            raise StudyConfigError(f"sweeps.algorithms must contain quatro, got {self.sweeps.algorithms}")
+        _check_seeds("seeds", self.seeds)
+        for key in ("workers",):
+            _check_positive(key, [getattr(self, key)], integer=True)
+        _check_positive("noise_z", [self.noise_z], integer=False)
+        _check_positive("time_budget_minutes", [self.time_budget_minutes], integer=False)
+        for i, item in enumerate(self.train_overrides):
+            if not isinstance(item, str) or "=" not in item:
+                raise StudyConfigError(f"train_overrides[{i}] must be a key=value string, got {item!r}")
+            if item.split("=", 1)[0] in ("run.dir", "run.seed", "algorithm", "config"):
+                raise StudyConfigError(f"train_overrides[{i}]={item!r}: the study sets this key per run")
+        self.sweeps.validate()
+        self.ablation.validate()
+        self.deltas.validate()
+
+
+_NESTED = {"sweeps": SweepConfig, "ablation": AblationConfig, "deltas": DeltaConfig}
+
+
+def _build(cls: type, values: Dict[str, Any], prefix: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise StudyConfigError(f"unknown key(s) {[prefix + k for k in unknown]}; known: {sorted(known)}")
+    kwargs = {}
+    for key, value in values.items():
+        if key in _NESTED and cls is StudyConfig:
+            if not isinstance(value, dict):
+                raise StudyConfigError(f"{key} must be a mapping, got {value!r}")
+            value = _build(_NESTED[key], value, f"{key}.")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def study_config_from_dict(values: Dict[str, Any]) -> StudyConfig:
+    cfg = _build(StudyConfig, dict(values), "")
+    cfg.validate()
+    return cfg
+
+
+def load_study_config(name_or_path: str, overrides: List[str] = ()) -> StudyConfig:
+    """conf/study/<name>.yaml (or a path to a YAML file) plus dot-list overrides (sweeps.seeds=[1,2])."""
+    path = name_or_path if name_or_path.endswith((".yaml", ".yml")) else os.path.join(STUDY_CONF_DIR, name_or_path + ".yaml")
+    if not os.path.isfile(path):
+        raise StudyConfigError(f"study config not found: {path}")
+    raw = OmegaConf.load(path)
+    if overrides:
+        try:
+            raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides)))
+        except Exception as exc:
+            raise StudyConfigError(f"study override: {exc}") from exc
+    values = OmegaConf.to_container(raw, resolve=True)
+    values.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    return study_config_from_dict(values)

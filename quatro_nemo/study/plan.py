@@ -1,0 +1,139 @@
+"""The study's run list: one RunSpec per distinct training run, shared between the study's parts.
+
+A run is fixed by its *setting* (algorithm, inner loops K, learning-rate multiplier of the
+default, non-default algorithm fields) and its seed. Settings that coincide are one run: e.g. the
+log-ratio ablation's ``seq_sum`` arm at delta = 0.1, K = 2 is the K = 2 point of QUATRO's
+inner-loop sweep when the default delta is 0.1. Algorithm fields equal to the algorithm's default
+are dropped before naming, so such coincidences are found from the composed configs, not from
+particular values.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from quatro_nemo.engine.config import load_config
+from quatro_nemo.study.config import QUATRO, StudyConfig
+
+
+@dataclass(frozen=True)
+class Setting:
+    algorithm: str
+    inner_loops: int
+    lr_multiplier: float
+    algo_overrides: Tuple[Tuple[str, Any], ...] = ()   # sorted (field, value), non-default only
+
+    @property
+    def label(self) -> str:
+        extra = "".join(f"-{key}_{value}" for key, value in self.algo_overrides)
+        return f"{self.algorithm}-K{self.inner_loops}-lr{self.lr_multiplier:g}x{extra}"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    setting: Setting
+    seed: int
+    overrides: Tuple[str, ...]       # recipes/train.py key=value (without run.dir and the study-wide ones)
+
+    @property
+    def name(self) -> str:
+        return f"{self.setting.label}-s{self.seed}"
+
+
+@dataclass
+class Defaults:
+    """What the runs' settings are relative to, read from the composed training config."""
+
+    lr: float
+    inner_loops: int
+    algorithm_fields: Dict[str, Dict[str, Any]]   # algorithm -> its default config fields
+
+
+def train_args(cfg: StudyConfig) -> List[str]:
+    """The arguments every run shares: the primary training config and the study-wide overrides."""
+    return [f"config={cfg.train_config}", *cfg.train_overrides]
+
+
+def read_defaults(cfg: StudyConfig, algorithms: Sequence[str]) -> Defaults:
+    base = train_args(cfg)
+    fields = {}
+    lr = inner = None
+    for name in algorithms:
+        composed = load_config(base + [f"algorithm={name}"])
+        fields[name] = dataclasses.asdict(composed.algorithm)
+        lr, inner = composed.trainer.lr, composed.trainer.inner_loops
+    return Defaults(lr=lr, inner_loops=inner, algorithm_fields=fields)
+
+
+def make_setting(defaults: Defaults, algorithm: str, inner_loops: Optional[int] = None,
+                 lr_multiplier: float = 1.0, **algo_overrides: Any) -> Setting:
+    known = defaults.algorithm_fields[algorithm]
+    for key in algo_overrides:
+        if key not in known:
+            raise ValueError(f"algorithm.{key} is not a field of {algorithm}'s config; known: {sorted(known)}")
+    changed = tuple(sorted((k, v) for k, v in algo_overrides.items() if known[k] != v))
+    return Setting(algorithm, defaults.inner_loops if inner_loops is None else int(inner_loops),
+                   float(lr_multiplier), changed)
+
+
+def run_overrides(setting: Setting, seed: int, defaults: Defaults) -> Tuple[str, ...]:
+    return (f"algorithm={setting.algorithm}", f"run.seed={seed}", f"trainer.inner_loops={setting.inner_loops}",
+            f"trainer.lr={defaults.lr * setting.lr_multiplier!r}",
+            *(f"algorithm.{key}={value}" for key, value in setting.algo_overrides))
+
+
+@dataclass
+class StudyPlan:
+    """Every distinct run, and the settings of each part of the study (for the analysis)."""
+
+    defaults: Defaults
+    runs: Dict[str, RunSpec]                       # name -> spec, in plan order
+    compare: Dict[str, Setting]                    # algorithm -> default setting
+    seeds: List[int]
+    sweep_inner: Dict[str, Dict[int, Setting]]     # algorithm -> K -> setting
+    sweep_lr: Dict[str, Dict[float, Setting]]      # algorithm -> multiplier -> setting
+    sweep_seeds: List[int]
+    ablation: Dict[str, Setting]                   # log_ratio -> setting
+    ablation_seeds: List[int]
+    deltas: Dict[float, Setting]                   # delta -> setting
+    delta_seeds: List[int]
+
+    def runs_of(self, setting: Setting, seeds: Sequence[int]) -> List[RunSpec]:
+        return [self.runs[RunSpec(setting, s, ()).name] for s in seeds]
+
+
+def build_plan(cfg: StudyConfig) -> StudyPlan:
+    algorithms = sorted(set(cfg.algorithms) | set(cfg.sweeps.algorithms))
+    defaults = read_defaults(cfg, algorithms)
+    runs: Dict[str, RunSpec] = {}
+
+    def add(setting: Setting, seeds: Sequence[int]) -> Setting:
+        for seed in seeds:
+            spec = RunSpec(setting, seed, run_overrides(setting, seed, defaults))
+            runs.setdefault(spec.name, spec)
+        return setting
+
+    compare = {a: add(make_setting(defaults, a), cfg.seeds) for a in cfg.algorithms}
+    sw = cfg.sweeps
+    sweep_inner = {a: {k: add(make_setting(defaults, a, inner_loops=k), sw.seeds) for k in sw.inner_loops}
+                   for a in sw.algorithms}
+    sweep_lr = {a: {m: add(make_setting(defaults, a, inner_loops=1, lr_multiplier=m), sw.seeds)
+                    for m in sw.lr_multipliers} for a in sw.algorithms}
+    ab = cfg.ablation
+    ablation = {g: add(make_setting(defaults, QUATRO, inner_loops=ab.inner_loops, delta=ab.delta, log_ratio=g),
+                       ab.seeds) for g in ab.log_ratios}
+    deltas = {d: add(make_setting(defaults, QUATRO, delta=d), cfg.deltas.seeds) for d in cfg.deltas.values}
+    return StudyPlan(defaults, runs, compare, list(cfg.seeds), sweep_inner, sweep_lr, list(sw.seeds),
+                     ablation, list(ab.seeds), deltas, list(cfg.deltas.seeds))
+
+
+def sweep_lines(cfg: StudyConfig, plan: StudyPlan) -> List[str]:
+    """The SLURM sweep file (slurm/sweep.sh): one override set per line, each preceded by a
+    comment naming the run. ``config=`` is left to the template; ``run.dir`` to sweep.sh."""
+    lines = [f"# quatro-nemo study '{cfg.name}': {len(plan.runs)} runs (relative to config={cfg.train_config}, "
+             f"default lr {plan.defaults.lr!r}).",
+             "# Submit: bash slurm/sweep.sh THIS_FILE; report: python recipes/study.py --collect SWEEP_DIR ..."]
+    for spec in plan.runs.values():
+        lines += [f"# {spec.name}", " ".join([*cfg.train_overrides, *spec.overrides])]
+    return lines

@@ -1,0 +1,104 @@
+"""Run the study's training runs as independent processes, a few at a time, resumably.
+
+Each run is ``recipes/train.py`` in its own directory ``<study dir>/runs/<run name>`` with its
+output in ``train.log``. A run whose ``report.json`` exists is done and skipped, so re-running an
+interrupted study continues where it stopped (a run cut short resumes from its last checkpoint,
+which train.py does by itself). Failed runs are reported, not retried within one invocation.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+from quatro_nemo.study.plan import RunSpec
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN = os.path.join(REPO, "recipes", "train.py")
+
+
+def run_dir(study_dir: str, name: str) -> str:
+    return os.path.join(study_dir, "runs", name)
+
+
+def is_done(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "report.json"))
+
+
+@dataclass
+class RunResult:
+    name: str
+    status: str              # done (this time) | skipped (already done) | failed
+    seconds: float = 0.0
+    returncode: Optional[int] = None
+
+
+def prewarm(base_args: Sequence[str]) -> None:
+    """Build the warm-start cache once, before several runs would each train it."""
+    from quatro_nemo.engine.config import load_config
+    from quatro_nemo.engine.task import build_task
+    from quatro_nemo.megatron.models import ModelConfig
+
+    cfg = load_config(list(base_args))
+    if (cfg.task or {}).get("name") != "countdown":
+        return   # other tasks load a pretrained checkpoint: nothing to build
+    task = build_task(cfg)
+    task.load_base_state(ModelConfig(**dict(cfg.model, vocab_size=cfg.model.get("vocab_size") or task.vocab_size)))
+
+
+def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], workers: int,
+            log: Callable[[str], None] = print, poll_s: float = 0.5) -> List[RunResult]:
+    """Run every spec not yet done, at most `workers` processes at a time; return what happened."""
+    results: List[RunResult] = []
+    pending: List[RunSpec] = []
+    for spec in runs:
+        if is_done(run_dir(study_dir, spec.name)):
+            results.append(RunResult(spec.name, "skipped"))
+        else:
+            pending.append(spec)
+    # Heavier runs (more inner loops) first, so the last minutes are not one long run alone.
+    pending.sort(key=lambda s: -s.setting.inner_loops)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    active: Dict[str, tuple] = {}
+    total = len(pending)
+    try:
+        _loop(pending, active, results, total, study_dir, base_args, workers, env, log, poll_s)
+    except KeyboardInterrupt:
+        # SIGTERM makes train.py checkpoint and exit 75: the next invocation resumes these runs.
+        for process, handle, _ in active.values():
+            process.terminate()
+        for process, handle, _ in active.values():
+            process.wait()
+            handle.close()
+        raise
+    return results
+
+
+def _loop(pending, active, results, total, study_dir, base_args, workers, env, log, poll_s) -> None:
+    while pending or active:
+        while pending and len(active) < workers:
+            spec = pending.pop(0)
+            directory = run_dir(study_dir, spec.name)
+            os.makedirs(directory, exist_ok=True)
+            command = [sys.executable, TRAIN, *base_args, *spec.overrides, f"run.dir={directory}",
+                       "run.progress_bar=false"]
+            handle = open(os.path.join(directory, "train.log"), "a")
+            handle.write("$ " + " ".join(command) + "\n")
+            handle.flush()
+            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
+            active[spec.name] = (process, handle, time.time())
+        time.sleep(poll_s)
+        for name, (process, handle, started) in list(active.items()):
+            code = process.poll()
+            if code is None:
+                continue
+            handle.close()
+            del active[name]
+            ok = code == 0 and is_done(run_dir(study_dir, name))
+            results.append(RunResult(name, "done" if ok else "failed", time.time() - started, code))
+            finished = sum(r.status != "skipped" for r in results)
+            log(f"[study] {finished}/{total} {name}: {'ok' if ok else f'FAILED (exit {code})'} "
+                f"in {time.time() - started:.0f} s" + ("" if ok else f"; see {run_dir(study_dir, name)}/train.log"))
