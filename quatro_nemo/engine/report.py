@@ -25,6 +25,26 @@ def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
 
+def _metric_order(key: str):
+    """reward, pass@1, pass@2, ..., ucc@1, ..., then the rest (k numerically, not as text)."""
+    family, _, k = key.partition("@")
+    rank = {"reward/mean": 0, "pass": 1, "ucc": 2, "ucr": 3, "entropy": 4}.get(family, 5)
+    return (rank, int(k) if k.isdigit() else 0, key)
+
+
+def _success_histogram(samples: List[Dict[str, Any]]) -> List[str]:
+    """The base model's per-prompt success rates (docs: the testbed needs a spread from 0 to 1)."""
+    rates = [r["num_correct"] / len(r["rewards"]) for r in samples]
+    edges = [i / 10 for i in range(11)]
+    counts = [sum(lo <= x < hi for x in rates) for lo, hi in zip(edges[:-1], edges[1:])]
+    counts[-1] += sum(x == 1.0 for x in rates)
+    header = " | ".join(f"[{lo:.1f}, {hi:.1f}{']' if hi == 1.0 else ')'}" for lo, hi in zip(edges[:-1], edges[1:]))
+    return ["## Base model: per-prompt held-out success rate", "",
+            f"| {header} |", "|" + "---|" * 10, "| " + " | ".join(str(c) for c in counts) + " |",
+            "", f"{sum(x == 0 for x in rates)} of {len(rates)} prompts never solved, "
+            f"{sum(x == 1 for x in rates)} always solved.", ""]
+
+
 def write_report(run_dir: str, cfg, task_properties: Dict[str, Any]) -> Dict[str, Any]:
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     evals = [r for r in records if r["kind"] == "eval"]
@@ -39,7 +59,8 @@ def write_report(run_dir: str, cfg, task_properties: Dict[str, Any]) -> Dict[str
              f"prompts x {cfg.rollout.n} responses, K = {cfg.trainer.inner_loops} inner loop(s), lr {cfg.trainer.lr}.",
              ""]
     if base and final:
-        keys = [k for k in final if k.startswith(("reward/", "pass@", "ucc@", "ucr", "entropy", "response_length"))]
+        keys = sorted((k for k in final if k.startswith(("reward/", "pass@", "ucc@", "ucr", "entropy", "response_length"))),
+                      key=_metric_order)
         lines += [f"## Held-out evaluation ({final.get('num_problems')} problems x {final.get('n_samples')} samples)",
                   "", "| metric | base model (step 0) | trained (step %d) | change |" % final["step"],
                   "|---|---|---|---|"]
@@ -64,6 +85,7 @@ def write_report(run_dir: str, cfg, task_properties: Dict[str, Any]) -> Dict[str
                              f"{b.num_flipped} | {_fmt(b.flip_rate)} | {_fmt(b.improvement_rate)} | "
                              f"{_fmt(b.mean_pass1_delta)} |")
             lines.append("")
+            lines += _success_histogram(base_samples)
     if train:
         lines += ["## Training", "",
                   f"- rollout reward: first step {_fmt(train[0]['reward/mean'])}, last step {_fmt(train[-1]['reward/mean'])}",

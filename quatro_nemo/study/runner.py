@@ -8,8 +8,10 @@ which train.py does by itself). Failed runs are reported, not retried within one
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -64,6 +66,7 @@ def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], w
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     active: Dict[str, tuple] = {}
     total = len(pending)
+    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
         _loop(pending, active, results, total, study_dir, base_args, workers, env, log, poll_s)
     except KeyboardInterrupt:
@@ -74,7 +77,14 @@ def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], w
             process.wait()
             handle.close()
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return results
+
+
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _loop(pending, active, results, total, study_dir, base_args, workers, env, log, poll_s) -> None:

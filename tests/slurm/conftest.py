@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from slurm_cluster import SLURM_LOCAL, STATE_DIR, LocalSlurm, Recipe, real_recipe, standin_recipe, unavailable
+from .slurm_cluster import SLURM_LOCAL, STATE_DIR, LocalSlurm, Recipe, real_recipe, standin_recipe, unavailable
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_cluster import ROOT, expected_master_port, read_jsonl
+from .slurm_cluster import ROOT, expected_master_port, read_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 

@@ -7,7 +7,7 @@ import pytest
 
 from pathlib import Path
 
-from slurm_cluster import expected_master_port, read_jsonl
+from .slurm_cluster import expected_master_port, read_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 

@@ -1,0 +1,113 @@
+"""The study's run list: settings shared between parts, overrides from the composed defaults,
+config validation naming the key, and the SLURM sweep file as slurm/lib/common.sh reads it."""
+import os
+import subprocess
+
+import pytest
+
+from quatro_nemo.algos import ALGORITHMS
+from quatro_nemo.engine.config import load_config
+from quatro_nemo.study.config import StudyConfigError, load_study_config, study_config_from_dict
+from quatro_nemo.study.plan import build_plan, sweep_lines
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def config(**extra):
+    values = dict(algorithms=["quatro", "grpo", "gspo"], seeds=[1, 2],
+                  sweeps=dict(algorithms=["quatro", "gspo"], inner_loops=[1, 2, 4], lr_multipliers=[1, 4], seeds=[1]),
+                  ablation=dict(delta=0.1, inner_loops=2, log_ratios=["seq_sum", "none"], seeds=[1]),
+                  deltas=dict(values=[0.02, 0.1], seeds=[1]))
+    values.update(extra)
+    return study_config_from_dict(values)
+
+
+def expected_run_keys(cfg, default_delta, default_k):
+    """The distinct (algorithm, K, lr multiplier, non-default QUATRO fields, seed), written out
+    independently of plan.py: these are the runs the study must train, each once."""
+    keys = set()
+    for a in cfg.algorithms:
+        keys |= {(a, default_k, 1.0, (), s) for s in cfg.seeds}
+    for a in cfg.sweeps.algorithms:
+        keys |= {(a, k, 1.0, (), s) for k in cfg.sweeps.inner_loops for s in cfg.sweeps.seeds}
+        keys |= {(a, 1, float(m), (), s) for m in cfg.sweeps.lr_multipliers for s in cfg.sweeps.seeds}
+
+    def fields(**f):
+        return tuple(sorted((k, v) for k, v in f.items() if not (k == "delta" and v == default_delta)
+                            and not (k == "log_ratio" and v == "seq_sum")))
+
+    for g in cfg.ablation.log_ratios:
+        keys |= {("quatro", cfg.ablation.inner_loops, 1.0, fields(delta=cfg.ablation.delta, log_ratio=g), s)
+                 for s in cfg.ablation.seeds}
+    for d in cfg.deltas.values:
+        keys |= {("quatro", default_k, 1.0, fields(delta=d), s) for s in cfg.deltas.seeds}
+    return keys
+
+
+def test_each_distinct_run_appears_once_with_its_overrides():
+    base = load_config([])
+    default_delta = base.algorithm.delta
+    cfg = config(ablation=dict(delta=default_delta, inner_loops=2, log_ratios=["seq_sum", "none"], seeds=[1]))
+    plan = build_plan(cfg)
+    got = {(s.setting.algorithm, s.setting.inner_loops, s.setting.lr_multiplier, s.setting.algo_overrides, s.seed)
+           for s in plan.runs.values()}
+    assert got == expected_run_keys(cfg, default_delta, base.trainer.inner_loops)
+    assert len(plan.runs) == len(got)
+    # the ablation's seq_sum arm at the default delta IS the K = 2 point of QUATRO's sweep
+    assert plan.ablation["seq_sum"] == plan.sweep_inner["quatro"][2]
+    for spec in plan.runs.values():
+        ov = dict(o.split("=", 1) for o in spec.overrides)
+        assert ov["algorithm"] == spec.setting.algorithm and int(ov["run.seed"]) == spec.seed
+        assert int(ov["trainer.inner_loops"]) == spec.setting.inner_loops
+        assert float(ov["trainer.lr"]) == pytest.approx(base.trainer.lr * spec.setting.lr_multiplier)
+        # every override set composes into a valid training config
+    spec = plan.runs[plan.runs_of(plan.ablation["none"], [1])[0].name]
+    composed = load_config(list(spec.overrides))
+    assert composed.algorithm.log_ratio == "none" and composed.trainer.inner_loops == 2
+
+
+def test_lr_multipliers_follow_the_training_config_default():
+    cfg = config(train_overrides=["trainer.lr=2e-3"])
+    plan = build_plan(cfg)
+    lrs = {m: dict(o.split("=", 1) for o in plan.runs_of(s, [1])[0].overrides)["trainer.lr"]
+           for m, s in plan.sweep_lr["gspo"].items()}
+    assert float(lrs[1.0]) == pytest.approx(2e-3) and float(lrs[4.0]) == pytest.approx(8e-3)
+
+
+def test_sweep_file_is_read_by_the_slurm_library(tmp_path):
+    cfg = config(train_overrides=["trainer.steps=3"])
+    plan = build_plan(cfg)
+    path = tmp_path / "sweep.txt"
+    path.write_text("\n".join(sweep_lines(cfg, plan)) + "\n")
+    script = f'source "{REPO}/slurm/lib/common.sh"; quatro_sweep_sets "{path}"'
+    sets = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout.splitlines()
+    assert sets == [" ".join(["trainer.steps=3", *spec.overrides]) for spec in plan.runs.values()]
+    assert not any("run.dir" in line or "config=" in line.split()[0] for line in sets)
+
+
+@pytest.mark.parametrize("values, key", [
+    (dict(algorithms=["quatro", "ppo"]), "algorithms"),
+    (dict(algorithms=["grpo", "gspo"]), "algorithms"),
+    (dict(seeds=[]), "seeds"),
+    (dict(sweeps=dict(inner_loops=[2, 4])), "sweeps.inner_loops"),
+    (dict(sweeps=dict(lr_multipliers=[1, -4])), "sweeps.lr_multipliers"),
+    (dict(ablation=dict(log_ratios=["seq_sum"])), "ablation.log_ratios"),
+    (dict(deltas=dict(values=[0.1])), "deltas.values"),
+    (dict(train_overrides=["run.seed=3"]), "train_overrides[0]"),
+    (dict(workers=0), "workers"),
+    (dict(sweeps=dict(inner_lops=[1])), "sweeps.inner_lops"),
+    (dict(colour="red"), "colour"),
+])
+def test_invalid_study_configs_name_the_key(values, key):
+    with pytest.raises(StudyConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        study_config_from_dict(values)
+
+
+@pytest.mark.parametrize("name", ["quick", "full"])
+def test_shipped_study_configs_cover_every_algorithm(name):
+    cfg = load_study_config(name)
+    assert sorted(cfg.algorithms) == sorted(ALGORITHMS)
+    assert len(cfg.seeds) >= (2 if name == "quick" else 3)
+    if name == "full":
+        assert cfg.sweeps.inner_loops == [1, 2, 4, 8] and cfg.sweeps.lr_multipliers == [1, 4, 16]
+    build_plan(cfg)   # every run's overrides compose
