@@ -6,7 +6,7 @@ NPROC ?= 2
 .PHONY: train test
 
 train:  ## install into .venv, then run the embedded CPU default (data parallel over NPROC processes)
-	bash scripts/bootstrap.sh
+	bash scripts/bootstrap.sh train
 	OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
 		recipes/train.py $(ARGS)
 

@@ -172,6 +172,21 @@ class Study:
         return np.array(steps), values.mean(axis=0), std
 
 
+def identical_methods(study: Study) -> List[Tuple[str, str]]:
+    """Pairs of compared methods whose runs ended with identical held-out results for every seed
+    (e.g. GRPO and CISPO, or GSPO and GMPO, have the same gradient when every update is on-policy:
+    K = 1 with one optimizer step per rollout batch, where all ratios are 1)."""
+    def signature(setting: Setting):
+        runs = study.group(setting, study.plan.seeds)
+        keys = ("reward/mean", "entropy", "ucr")
+        return tuple(tuple(run.final.get(k) for k in keys) for run in runs) if runs else None
+
+    names = list(study.plan.compare)
+    sigs = {n: signature(study.plan.compare[n]) for n in names}
+    return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+            if sigs[a] is not None and sigs[a] == sigs[b]]
+
+
 def final_metric(key: str):
     return lambda run: run.final.get(key)
 
@@ -338,7 +353,7 @@ def claim_logratio(study: Study) -> Claim:
                                       {"with": r_with.mean, "without": r_without.mean}))
         kl_diff = k_without.mean - k_with.mean   # > 0: KL peaks higher without the term
         comparisons.append(Comparison(f"peak KL-to-old: none - {statistic}", kl_diff, None,
-                                      HOLDS if kl_diff > 0 else REVERSED,
+                                      outcome(kl_diff, 0.0, study.cfg.noise_z),
                                       {"with": k_with.mean, "without": k_without.mean}))
         parts.append(f"{statistic}: final reward {r_with.mean:.4f} vs none {r_without.mean:.4f}; "
                      f"peak KL-to-old {k_with.mean:.3g} vs none {k_without.mean:.3g}")
@@ -352,7 +367,7 @@ def claim_lambda_vs_delta(study: Study) -> Claim:
     means = {d: study.stat(s, plan.delta_seeds, lam) for d, s in sorted(plan.deltas.items())}
     present = [(d, m) for d, m in means.items() if m is not None]
     comparisons = [Comparison(f"lambda(delta={d1:g}) - lambda(delta={d2:g})", m1.mean - m2.mean, None,
-                              HOLDS if m1.mean > m2.mean else REVERSED)
+                              outcome(m1.mean - m2.mean, 0.0, study.cfg.noise_z))
                    for (d1, m1), (d2, m2) in zip(present, present[1:])]
     smooth = []
     for d, setting in sorted(plan.deltas.items()):

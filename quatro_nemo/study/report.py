@@ -8,8 +8,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from quatro_nemo.eval.tables import to_jsonable
-from quatro_nemo.study.analysis import (Claim, Stat, Study, claims_to_json, entropy_retention, final_metric,
-                                        base_metric, mean_over_training, peak_over_training)
+from quatro_nemo.study.analysis import (Claim, Stat, Study, base_metric, claims_to_json, entropy_retention,
+                                        final_metric, identical_methods, mean_over_training, peak_over_training)
 from quatro_nemo.study.config import QUATRO
 
 
@@ -38,22 +38,23 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> List[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _band(ax, x, mean, std, label):
-    line, = ax.plot(x, mean, marker="o", ms=3, label=label)
+def _band(ax, x, mean, std, label, color):
+    """A mean line with a +-1 std band; one colour per method/setting in every panel."""
+    ax.plot(x, mean, marker="o", ms=3, label=label, color=color)
     if np.any(std > 0):
-        ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.15)
+        ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.15)
 
 
 def plot_at_k(study: Study, prefix: str, ylabel: str, path: str) -> bool:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     drawn = False
-    for name, setting in study.plan.compare.items():
+    for i, (name, setting) in enumerate(study.plan.compare.items()):
         ks = sorted({k for run in study.group(setting, study.plan.seeds) for k in _ks(run.final, prefix)})
         stats = [study.stat(setting, study.plan.seeds, final_metric(f"{prefix}{k}")) for k in ks]
         pairs = [(k, s) for k, s in zip(ks, stats) if s is not None]
         if pairs:
-            _band(ax, [k for k, _ in pairs], np.array([s.mean for _, s in pairs]), np.array([s.std for _, s in pairs]), name)
+            _band(ax, [k for k, _ in pairs], np.array([s.mean for _, s in pairs]), np.array([s.std for _, s in pairs]), name, f"C{i}")
             drawn = True
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
@@ -76,10 +77,10 @@ def plot_curves(study: Study, settings: Dict[str, Any], seeds: Sequence[int], ke
     fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.5), squeeze=False)
     drawn = False
     for ax, key, title in zip(axes.flat, keys, titles):
-        for label, setting in settings.items():
+        for i, (label, setting) in enumerate(settings.items()):
             curve = study.curve(setting, seeds, key)
             if curve is not None:
-                _band(ax, *curve, label=str(label))
+                _band(ax, *curve, label=str(label), color=f"C{i}")
                 drawn = True
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("rollout step")
@@ -98,12 +99,12 @@ def plot_sweep(study: Study, sweep: Dict[str, Dict[Any, Any]], axis_label: str, 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
     drawn = False
     for ax, (title, extract) in zip(axes, panels):
-        for name, axis in sweep.items():
+        for i, (name, axis) in enumerate(sweep.items()):
             points = [(x, study.stat(s, study.plan.sweep_seeds, extract)) for x, s in sorted(axis.items())]
             points = [(x, s) for x, s in points if s is not None]
             if points:
                 _band(ax, [x for x, _ in points], np.array([s.mean for _, s in points]),
-                      np.array([s.std for _, s in points]), name)
+                      np.array([s.std for _, s in points]), name, f"C{i}")
                 drawn = True
         if log_x:
             ax.set_xscale("log", base=2)
@@ -232,6 +233,12 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
               "## Claims", ""]
     lines += _claim_lines(claims)
     lines += ["## 1-3. Main comparison (default settings)", ""]
+    twins = identical_methods(study)
+    if twins:
+        lines += ["**Identical results.** " + ", ".join(f"{a} = {b}" for a, b in twins) + ": these methods ended "
+                  "with the same held-out numbers for every seed. Likely cause: with K = 1 and one optimizer step per "
+                  "rollout batch every update is on-policy (all ratios 1, nothing clipped), where these losses have "
+                  "the same gradient; they differ only off-policy (see the sweeps).", ""]
     header = ["method", "seeds", "base reward", "final reward", "pass@1"]
     if kmax:
         header += [f"pass@{kmax}", f"ucc@{kmax}"]
