@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from quatro_nemo.eval.report import DEFAULT_PAIRWISE_METRICS, EvalConfig, evaluate_runs, write_report  # noqa: E402
+from quatro_nemo.data.schema import read_problems  # noqa: E402
 from quatro_nemo.eval.samples import load_samples, write_samples  # noqa: E402
 from quatro_nemo.eval.similarity import SIMILARITY_METRICS  # noqa: E402
 
@@ -46,19 +46,6 @@ def load_generator(spec: str):
     if not hasattr(module, attr):
         raise SystemExit(f"generator module {module_name!r} has no function {attr!r}")
     return getattr(module, attr)
-
-
-def load_problems(path: str) -> List[Dict[str, Any]]:
-    from quatro_nemo.data.schema import validate_record
-
-    problems = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                record = json.loads(line)
-                validate_record(record, f"{path} line {line_no}")
-                problems.append(record)
-    return problems
 
 
 def parse_run(spec: str) -> tuple:
@@ -115,7 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, str]:
         if not args.data:
             raise SystemExit("--checkpoint needs --data problems.jsonl")
         generate_samples = load_generator(args.generator)
-        problems = [p for path in args.data for p in load_problems(path)]
+        problems = [p for path in args.data for p in read_problems(path)]
         samples = generate_samples(checkpoint=args.checkpoint, problems=problems, num_samples=args.num_samples,
                                    temperature=args.temperature, top_p=args.top_p,
                                    max_new_tokens=args.max_new_tokens, seed=args.seed)

@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from quatro_nemo.data.schema import DatasetSource  # noqa: E402
+from quatro_nemo.data.schema import DatasetSource, iter_jsonl  # noqa: E402
 
 DATASET_MODULES = ("quatro_nemo.data.math_datasets", "quatro_nemo.data.code_datasets")
 
@@ -40,18 +40,6 @@ def collect_datasets(modules: Sequence[str] = DATASET_MODULES) -> Dict[str, Data
                 raise ValueError(f"dataset name {name!r} defined twice (second time in {module_name})")
             out[name] = source
     return out
-
-
-def read_jsonl_rows(path: str) -> List[Dict[str, Any]]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path} line {line_no}: invalid JSON ({err.msg})") from err
-    return rows
 
 
 def load_hub_rows(source: DatasetSource) -> Iterable[Dict[str, Any]]:
@@ -105,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, str]:
     written = {}
     for name in names:
         source = datasets[name]
-        rows = read_jsonl_rows(args.input) if args.input else load_hub_rows(source)
+        rows = [row for _, row in iter_jsonl(args.input)] if args.input else load_hub_rows(source)
         path = os.path.join(args.out, f"{name}.jsonl")
         count = write_jsonl(path, convert_rows(source, rows))
         print(f"{name}: {count} records -> {path}")

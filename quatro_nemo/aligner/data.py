@@ -10,34 +10,11 @@ adds ``prompt_ids`` to NeMo-Aligner's collated batch. The QUATRO trainer groups 
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
-from quatro_nemo.data.schema import validate_record
-
-
-def read_problems(path: str) -> List[Dict[str, Any]]:
-    """Records of a JSONL problem file (schema ``quatro_nemo.data.schema``), in file order.
-
-    Raises ValueError naming the file and line of a malformed record.
-    """
-    problems = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not valid JSON ({error})") from None
-            validate_record(record, where)
-            problems.append(record)
-    if not problems:
-        raise ValueError(f"{path}: no problems in the file")
-    return problems
+from quatro_nemo.data.schema import read_problems  # noqa: F401  (re-exported for the recipe)
 
 
 class ProblemPromptDataset(torch.utils.data.Dataset):

@@ -12,7 +12,6 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from quatro_nemo.eval.passk import pass_at_k, power_of_two_ks, ucc_at_k, unique_correct_ratio

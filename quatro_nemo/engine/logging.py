@@ -11,6 +11,8 @@ import math
 import os
 from typing import Any, Dict, Iterable, List, Optional
 
+from quatro_nemo.data.schema import iter_jsonl
+
 TIME_PREFIX = "time/"
 
 
@@ -70,8 +72,7 @@ class MetricsLogger:
 
 
 def read_metrics(path: str) -> List[Dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [record for _, record in iter_jsonl(path)]
 
 
 def truncate_metrics(path: str, through_step: int) -> None:

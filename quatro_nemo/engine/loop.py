@@ -27,7 +27,7 @@ import time
 import warnings
 import zlib
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist

@@ -9,16 +9,14 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
+from quatro_nemo.data.schema import iter_jsonl
 from quatro_nemo.engine.logging import read_metrics
 from quatro_nemo.eval.flip import flip_rate_by_bucket
 
 
 def _samples(run_dir: str, step: int) -> Optional[List[Dict[str, Any]]]:
     path = os.path.join(run_dir, "eval", f"samples_step{step:06d}.jsonl")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [record for _, record in iter_jsonl(path)] if os.path.exists(path) else None
 
 
 def _fmt(value: Any) -> str:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from quatro_nemo.data.schema import read_problems
 from quatro_nemo.rewards import get_verifier
 
 
@@ -110,25 +111,6 @@ def build_countdown_task(cfg) -> Task:
     )
 
 
-def read_jsonl(path: str) -> List[Dict[str, Any]]:
-    from quatro_nemo.data.schema import validate_record
-
-    if not os.path.isfile(path):
-        raise ValueError(f"data file not found: {path}")
-    records = []
-    with open(path) as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {line_number}: not valid JSON ({exc})") from None
-            validate_record(record, f"{path} line {line_number}")
-            records.append(record)
-    return records
-
-
 def build_jsonl_task(cfg) -> Task:
     """Prompts from JSONL, HF tokenizer and base model (task.train_path, task.eval_path,
     task.hf_checkpoint, task.verifier)."""
@@ -147,7 +129,7 @@ def build_jsonl_task(cfg) -> Task:
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     return Task(
-        name="jsonl", train_problems=read_jsonl(t["train_path"]), heldout_problems=read_jsonl(t["eval_path"]),
+        name="jsonl", train_problems=read_problems(t["train_path"]), heldout_problems=read_problems(t["eval_path"]),
         verifier=get_verifier(t["verifier"], **t["verifier_options"]), vocab_size=vocab_size,
         eos_id=eos_id, pad_id=pad_id, solution_key=_SOLUTION_KEYS.get(t["verifier"]),
         encode_prompt=lambda problem: tokenizer.encode(problem["prompt"]),

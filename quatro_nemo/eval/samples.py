@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, Iterable, List
 
+from quatro_nemo.data.schema import iter_jsonl
+
 REQUIRED_SAMPLE_KEYS = ("id", "benchmark", "answer", "responses")
 PER_RESPONSE_KEYS = ("logprobs", "entropies", "rewards")
 
@@ -49,21 +51,13 @@ def load_samples(path: str) -> List[Dict[str, Any]]:
     """Read and validate a samples JSONL file; (benchmark, id) must be unique."""
     records: List[Dict[str, Any]] = []
     seen = set()
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON ({err.msg})") from err
-            validate_sample(record, where)
-            key = (record["benchmark"], str(record["id"]))
-            if key in seen:
-                raise ValueError(f"{where}: duplicate problem id {key[1]!r} in benchmark {key[0]!r}")
-            seen.add(key)
-            records.append(record)
+    for where, record in iter_jsonl(path):
+        validate_sample(record, where)
+        key = (record["benchmark"], str(record["id"]))
+        if key in seen:
+            raise ValueError(f"{where}: duplicate problem id {key[1]!r} in benchmark {key[0]!r}")
+        seen.add(key)
+        records.append(record)
     if not records:
         raise ValueError(f"{path}: no sample records")
     return records

@@ -22,7 +22,7 @@ Tokens: lower-cased words (``\\w+``) and single non-space symbols, so ``x^2+1`` 
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 import scipy.sparse

@@ -27,7 +27,7 @@ import torch
 from quatro_nemo.algos import solve_dual
 from quatro_nemo.engine.logging import read_metrics
 from quatro_nemo.study.config import QUATRO, StudyConfig
-from quatro_nemo.study.plan import RunSpec, Setting, StudyPlan
+from quatro_nemo.study.plan import Setting, StudyPlan
 
 REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTED = "REPRODUCED", "PARTLY", "NOT REPRODUCED", "NOT TESTED"
 HOLDS, REVERSED, WITHIN_NOISE = "holds", "reversed", "within noise"
@@ -434,15 +434,15 @@ def evaluate_claims(study: Study, advantages: Dict[float, Dict[str, List[float]]
     claims.append(claim_higher_than_baselines(
         study, "entropy_stable", "QUATRO's entropy stays stable while baselines' collapse (Fig. 3): "
         "higher ratio of last to first rollout entropy", entropy_retention, "entropy retention"))
-    sweeps = study.plan
+    plan = study.plan
     claims.append(claim_stability(
         study, "stability_inner_loops", "QUATRO stays stable as inner loops K grow, clipping baselines degrade "
         "(Fig. 4a): smaller held-out reward drop from the lowest to the highest K",
-        sweeps.sweep_inner, min(study.cfg.sweeps.inner_loops), max(study.cfg.sweeps.inner_loops), "K"))
+        plan.sweep_inner, min(study.cfg.sweeps.inner_loops), max(study.cfg.sweeps.inner_loops), "K"))
     claims.append(claim_stability(
         study, "stability_lr", "QUATRO tolerates larger learning rates, baselines diverge (Fig. 4b): "
         "smaller held-out reward drop from lr x1 to the largest multiplier",
-        sweeps.sweep_lr, 1.0, max(study.cfg.sweeps.lr_multipliers), "lr x"))
+        plan.sweep_lr, 1.0, max(study.cfg.sweeps.lr_multipliers), "lr x"))
     claims.append(claim_logratio(study))
     claims.append(claim_lambda_vs_delta(study))
     claims.append(claim_advantage_vs_correct(advantages))

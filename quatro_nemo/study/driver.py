@@ -5,6 +5,7 @@ import os
 import time
 from typing import Any, Callable, Dict, Optional
 
+from quatro_nemo.engine.config import load_config
 from quatro_nemo.study.analysis import Study, advantage_table, evaluate_claims, load_runs
 from quatro_nemo.study.config import QUATRO, StudyConfig
 from quatro_nemo.study.plan import StudyPlan, build_plan, sweep_lines, train_args
@@ -17,8 +18,6 @@ def write_report(cfg: StudyConfig, plan: StudyPlan, run_dirs: Dict[str, str], ou
     """Load the finished runs, test the claims, write report.md / report.json / PNGs."""
     study = Study(cfg, plan, load_runs(run_dirs))
     quatro = plan.defaults.algorithm_fields[QUATRO]
-    from quatro_nemo.engine.config import load_config
-
     n = load_config(train_args(cfg)).rollout.n
     deltas = sorted(set(cfg.deltas.values) | {quatro["delta"]})
     advantages = advantage_table(deltas, n, quatro["lambda_min"])

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from quatro_nemo.eval.tables import to_jsonable
 from quatro_nemo.study.analysis import (Claim, Stat, Study, base_metric, claims_to_json, entropy_retention,
                                         final_metric, identical_methods, mean_over_training, peak_over_training)
-from quatro_nemo.study.config import QUATRO
 
 
 def _pyplot():
