@@ -16,6 +16,7 @@ in conf/study/ (see docs/study.md).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -24,6 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from quatro_nemo.engine.config import ConfigError  # noqa: E402
 from quatro_nemo.study.config import StudyConfigError, load_study_config  # noqa: E402
+
+
+def previous_info(out: str) -> dict:
+    """The last full invocation's info (wall time, failed runs), kept when only the report is rebuilt."""
+    path = os.path.join(out, "report.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return dict(json.load(f).get("info") or {}, report_rebuilt=True)
 
 
 def main(argv) -> int:
@@ -60,7 +70,7 @@ def main(argv) -> int:
             result = collect_sweep(cfg, args.collect, args.out or os.path.join(args.collect, "study_report"))
         elif args.report_only:
             plan = build_plan(cfg)
-            result = write_report(cfg, plan, {n: run_dir(out, n) for n in plan.runs}, out, {})
+            result = write_report(cfg, plan, {n: run_dir(out, n) for n in plan.runs}, out, previous_info(out))
         else:
             result = run_study(cfg, out, workers=args.workers)
     except ConfigError as exc:

@@ -44,7 +44,7 @@ from quatro_nemo.engine.rollout import get_rollout_backend
 from quatro_nemo.engine.task import Task, build_task
 from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel
-from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+from quatro_nemo.megatron.forward import compute_logprobs, micro_batch_rows, train_step_forward_backward
 from quatro_nemo.megatron.models import ModelConfig, build_model
 from quatro_nemo.megatron.checkpoint import load_full_state_dict
 
@@ -318,9 +318,10 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         batch["response_mask"] = batch["response_mask"] * kept_groups(shaped, cfg.algorithm)[slots].repeat_interleave(
             rollout_cfg.n)[:, None]
         with torch.no_grad():
-            batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, cfg.parallel.micro_batch_size)
+            micro = micro_batch_rows(batch["tokens"].shape[0], cfg.parallel.micro_batch_size)
+            batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, micro)
             if reference is not None:
-                batch["ref_logprobs"], _ = compute_logprobs(reference, batch, cfg.parallel.micro_batch_size)
+                batch["ref_logprobs"], _ = compute_logprobs(reference, batch, micro)
         t_logprobs = time.perf_counter()
 
         # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
@@ -333,7 +334,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
                     continue  # every group of this mini-batch was filtered out (dynamic sampling)
                 optimizer.zero_grad(set_to_none=False)
                 metrics = train_step_forward_backward(policy, mini, loss_name, cfg.algorithm,
-                                                      cfg.parallel.micro_batch_size)
+                                                      micro_batch_rows(rows_per_mini, cfg.parallel.micro_batch_size))
                 metrics["grad_norm"] = float(clip_grad_norm(policy, trainer.grad_clip))
                 optimizer.step()
                 scheduler.step()

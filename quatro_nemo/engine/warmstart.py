@@ -311,11 +311,10 @@ def _build_cache_in_subprocess(task, tokenizer_config, model_config, config: War
     path.parent.mkdir(parents=True, exist_ok=True)
     spec_file = path.with_suffix(".spec.json")
     spec_file.write_text(json.dumps(_spec(task, tokenizer_config, model_config, config), default=list))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
-    env["OMP_NUM_THREADS"] = "1"
-    subprocess.run([sys.executable, "-m", "quatro_nemo.engine.warmstart", str(spec_file)], check=True, env=env)
+    from quatro_nemo.megatron.parallel import standalone_environment
+
+    subprocess.run([sys.executable, "-m", "quatro_nemo.engine.warmstart", str(spec_file)], check=True,
+                   env=standalone_environment())
 
 
 def load_or_train_base_model(task, tokenizer_config, model_config, config: WarmStartConfig,

@@ -36,6 +36,15 @@ TRAIN_KEYS = ("tokens", "position_ids", "response_mask", "old_logprobs", "advant
 OPTIONAL_TRAIN_KEYS = ("ref_logprobs",)
 
 
+def micro_batch_rows(num_rows: int, at_most: int) -> int:
+    """The largest micro-batch size <= `at_most` that divides `num_rows` (the loss path is exact for
+    any split, so this only trades memory for speed)."""
+    for size in range(min(at_most, num_rows), 0, -1):
+        if num_rows % size == 0:
+            return size
+    raise ValueError(f"cannot split {num_rows} rows into micro-batches of at most {at_most}")
+
+
 def split_micro_batches(batch: Mapping[str, torch.Tensor], micro_batch_size: int,
                         keys: Tuple[str, ...]) -> List[Dict[str, torch.Tensor]]:
     """Consecutive row slices of ``batch[key]`` for ``key`` in ``keys`` (present ones)."""

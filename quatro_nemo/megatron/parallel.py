@@ -35,6 +35,19 @@ class ParallelLayout:
     dp_rank: int
 
 
+# What torchrun / the SLURM launcher export to describe a rank of a process group.
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def standalone_environment() -> dict:
+    """os.environ without the rendezvous variables, with one thread: for a child process that must
+    start its own (single-process or torchrun) group rather than join this one."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -71,13 +84,14 @@ def initialize_parallel(
         if "WORLD_SIZE" in os.environ:
             world_size = int(os.environ["WORLD_SIZE"])
             rank = int(os.environ["RANK"])
+            init_method = "env://"
         else:
+            # one process: a private rendezvous, without exporting MASTER_* to child processes
             world_size, rank = 1, 0
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        dist.init_process_group(backend=backend, init_method="env://", world_size=world_size, rank=rank)
+        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
 
     world_size = dist.get_world_size()
     if tensor_parallel < 1 or pipeline_parallel < 1:

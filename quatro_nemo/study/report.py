@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from quatro_nemo.eval.tables import to_jsonable
+from quatro_nemo.study.config import QUATRO
 from quatro_nemo.study.analysis import (Claim, Stat, Study, base_metric, claims_to_json, entropy_retention,
                                         final_metric, identical_methods, mean_over_training, peak_over_training)
 
@@ -59,7 +60,8 @@ def plot_at_k(study: Study, prefix: str, ylabel: str, path: str) -> bool:
     ax.set_xlabel("k")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if drawn:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -84,7 +86,8 @@ def plot_curves(study: Study, settings: Dict[str, Any], seeds: Sequence[int], ke
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("rollout step")
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
+    if drawn:
+        axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -110,7 +113,8 @@ def plot_sweep(study: Study, sweep: Dict[str, Dict[Any, Any]], axis_label: str, 
         ax.set_xlabel(axis_label)
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    if drawn:
+        axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -184,7 +188,12 @@ def _claim_lines(claims: Sequence[Claim]) -> List[str]:
 
 
 def _compare_rows(study: Study, kmax: Optional[int]) -> List[List[str]]:
-    rows = []
+    """One row per method (final held-out numbers), after a row for the base model (step 0, the
+    same model and evaluation draw for every method; taken from QUATRO's runs)."""
+    quatro = study.plan.compare[QUATRO]
+    b = lambda key: _fmt(study.stat(quatro, study.plan.seeds, base_metric(key)))  # noqa: E731
+    rows = [["base model (step 0)", "-", b("reward/mean"), "-", b("pass@1")]
+            + ([b(f"pass@{kmax}"), b(f"ucc@{kmax}")] if kmax else []) + [b("ucr"), b("entropy"), "-", "-"]]
     for name, setting in study.plan.compare.items():
         s = lambda extract: study.stat(setting, study.plan.seeds, extract)  # noqa: E731
         row = [name, str(len(study.group(setting, study.plan.seeds))), _fmt(s(base_metric("reward/mean"))),

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+from quatro_nemo.megatron.parallel import standalone_environment
 from quatro_nemo.study.plan import RunSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,7 +64,9 @@ def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], w
             pending.append(spec)
     # Heavier runs (more inner loops) first, so the last minutes are not one long run alone.
     pending.sort(key=lambda s: -s.setting.inner_loops)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # Each run is its own one-process world: never inherit a rendezvous (prewarm, or a study started
+    # under torchrun/SLURM, may have set MASTER_PORT, and two runs on one port collide).
+    env = dict(standalone_environment(), PYTHONUNBUFFERED="1")
     active: Dict[str, tuple] = {}
     total = len(pending)
     previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None

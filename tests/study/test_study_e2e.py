@@ -9,6 +9,7 @@ import sys
 import pytest
 import yaml
 
+from quatro_nemo.engine.config import load_config
 from tests.engine.conftest import TINY
 
 pytestmark = pytest.mark.slow
@@ -30,7 +31,7 @@ def test_tiny_study_end_to_end(tmp_path, warm_cache):
                                    "trainer.checkpoint_every=0"],
         "algorithms": ["quatro", "grpo"], "seeds": [1],
         "sweeps": {"algorithms": ["quatro"], "inner_loops": [1], "lr_multipliers": [1], "seeds": [1]},
-        "ablation": {"delta": 0.1, "inner_loops": 2, "log_ratios": ["seq_sum", "none"], "seeds": [1]},
+        "ablation": {"delta": 0.1, "inner_loops": 1, "log_ratios": ["seq_sum", "none"], "seeds": [1]},
         "deltas": {"values": [0.05, 0.1], "seeds": [1]},
         "workers": 2, "time_budget_minutes": 5,
     }
@@ -42,8 +43,11 @@ def test_tiny_study_end_to_end(tmp_path, warm_cache):
 
     report = json.loads((out / "report.json").read_text())
     runs = report["runs"]
-    # quatro K1 (also the delta=0.1 point and the K sweep), grpo, quatro K2 (ablation seq_sum), K2 none, delta 0.05
-    assert len(runs) == 5 and all(r["finished"] for r in runs.values()), runs
+    # quatro K1 (also the K sweep, the ablation's seq_sum arm and, when the default delta is 0.1, the
+    # delta=0.1 point), grpo, the ablation's log_ratio=none arm, delta 0.05 (and 0.1 if not the default)
+    default_delta = load_config(config["train_overrides"]).algorithm.delta
+    expected = 4 if default_delta == 0.1 else 5
+    assert len(runs) == expected and all(r["finished"] for r in runs.values()), runs
     for name in runs:
         records = [json.loads(line) for line in open(out / "runs" / name / "metrics.jsonl")]
         assert [r["step"] for r in records if r["kind"] == "eval"] == [0, 2]
@@ -63,7 +67,7 @@ def test_tiny_study_end_to_end(tmp_path, warm_cache):
     # resumable: a second invocation trains nothing and rewrites the same claims
     code, output = study(["--config", str(path), "--out", str(out)], timeout=120)
     assert code == 0, output
-    assert "5 already done" in output
+    assert f"{expected} already done" in output
     assert {c["id"]: c["verdict"] for c in json.loads((out / "report.json").read_text())["claims"]} == \
         {k: c["verdict"] for k, c in claims.items()}
 
@@ -72,4 +76,4 @@ def test_tiny_study_end_to_end(tmp_path, warm_cache):
     code, output = study(["--config", str(path), "--emit-sweep", str(sweep)], timeout=120)
     assert code == 0, output
     lines = [line for line in sweep.read_text().splitlines() if line and not line.startswith("#")]
-    assert len(lines) == 5 and all("algorithm=" in line and "run.dir" not in line for line in lines)
+    assert len(lines) == expected and all("algorithm=" in line and "run.dir" not in line for line in lines)

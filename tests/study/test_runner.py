@@ -1,0 +1,51 @@
+"""The study runner with a stand-in for recipes/train.py: finished runs are skipped, failures are
+reported (not fatal), and no run inherits a rendezvous (MASTER_PORT) from the study process."""
+import json
+import os
+import textwrap
+
+from quatro_nemo.study import runner
+from quatro_nemo.study.plan import RunSpec, Setting
+
+STANDIN = textwrap.dedent('''
+    import json, os, sys
+    args = dict(a.split("=", 1) for a in sys.argv[1:])
+    run_dir = args["run.dir"]
+    if args.get("fail") == "yes":
+        sys.exit(3)
+    with open(os.path.join(run_dir, "seen.json"), "w") as f:
+        json.dump({"master_port": os.environ.get("MASTER_PORT"), "threads": os.environ.get("OMP_NUM_THREADS"),
+                   "args": sys.argv[1:]}, f)
+    open(os.path.join(run_dir, "report.json"), "w").write("{}")
+''')
+
+
+def spec(algorithm, seed, *extra):
+    return RunSpec(Setting(algorithm, 1, 1.0), seed, (f"algorithm={algorithm}", f"run.seed={seed}", *extra))
+
+
+def test_execute_skips_done_runs_reports_failures_and_isolates_runs(tmp_path, monkeypatch):
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    monkeypatch.setattr(runner, "TRAIN", str(script))
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    study_dir = str(tmp_path / "study")
+    done_before = spec("grpo", 1)
+    os.makedirs(runner.run_dir(study_dir, done_before.name))
+    open(os.path.join(runner.run_dir(study_dir, done_before.name), "report.json"), "w").write("{}")
+    specs = [done_before, spec("quatro", 1), spec("quatro", 2), spec("gspo", 1, "fail=yes")]
+    messages = []
+    results = runner.execute(specs, study_dir, ["config=config", "trainer.steps=2"], workers=2,
+                             log=messages.append, poll_s=0.05)
+    status = {r.name: r.status for r in results}
+    assert status == {done_before.name: "skipped", specs[1].name: "done", specs[2].name: "done",
+                      specs[3].name: "failed"}
+    assert next(r for r in results if r.status == "failed").returncode == 3
+    assert any("FAILED (exit 3)" in m for m in messages)
+    seen = json.load(open(os.path.join(runner.run_dir(study_dir, specs[1].name), "seen.json")))
+    assert seen["master_port"] is None and seen["threads"] == "1"
+    assert seen["args"][:4] == ["config=config", "trainer.steps=2", "algorithm=quatro", "run.seed=1"]
+    assert f"run.dir={runner.run_dir(study_dir, specs[1].name)}" in seen["args"]
+    # a second pass trains nothing that finished, and retries the failure
+    again = runner.execute(specs[:3], study_dir, ["config=config"], workers=2, log=messages.append, poll_s=0.05)
+    assert {r.status for r in again} == {"skipped"}
