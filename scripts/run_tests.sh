@@ -14,4 +14,4 @@ if ! command -v bwrap >/dev/null || ! /usr/bin/python3 -c "import numpy" 2>/dev/
     fi
 fi
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" "$@"
