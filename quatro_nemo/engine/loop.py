@@ -24,7 +24,6 @@ import signal
 import socket
 import sys
 import time
-import warnings
 import zlib
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional
@@ -46,6 +45,7 @@ from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.forward import compute_logprobs, micro_batch_rows, train_step_forward_backward
 from quatro_nemo.megatron.models import ModelConfig, build_model
+from quatro_nemo.megatron.quiet import quiet_library_warnings
 from quatro_nemo.megatron.checkpoint import load_full_state_dict
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpoint saved, requeue me (docs/interfaces.md)
@@ -199,13 +199,6 @@ def slice_batch(batch: Dict[str, torch.Tensor], rows: slice) -> Dict[str, torch.
 # --------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------
-
-
-def quiet_library_warnings() -> None:
-    """Megatron warns at import about optional CUDA packages (TE, Apex) and deprecated defaults."""
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", message=r".*requires_grad=True to a scalar.*")
-    warnings.filterwarnings("ignore", message=r".*non-contiguous.*")
 
 
 def select_device(device: str) -> None:

@@ -39,6 +39,7 @@ from quatro_nemo.data.countdown import (
     split_of,
 )
 from quatro_nemo.data.tokenizer import CharTokenizer, TokenizerConfig
+from quatro_nemo.megatron.quiet import quiet_library_warnings
 
 CACHE_FORMAT_VERSION = 1
 
@@ -351,6 +352,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: python -m quatro_nemo.engine.warmstart SPEC.json")
     torch.set_num_threads(1)
+    quiet_library_warnings()
     spec = json.loads(Path(argv[0]).read_text())
     print(f"warm-start cache written to {build_cache(*_configs_from_spec(spec))}", flush=True)
 

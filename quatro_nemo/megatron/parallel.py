@@ -41,9 +41,11 @@ RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", 
 
 
 def standalone_environment() -> dict:
-    """os.environ without the rendezvous variables, with one thread: for a child process that must
-    start its own (single-process or torchrun) group rather than join this one."""
-    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+    """os.environ without the rendezvous variables (torchrun's TORCHELASTIC_* included: with
+    TORCHELASTIC_USE_AGENT_STORE a child would wait forever for the parent's agent store), with one
+    thread: for a child process that must start its own group rather than join this one."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in RENDEZVOUS_VARIABLES and not k.startswith("TORCHELASTIC_")}
     env["OMP_NUM_THREADS"] = "1"
     return env
 

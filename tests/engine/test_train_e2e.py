@@ -123,7 +123,10 @@ def test_torchrun_tp2_pp2_dp2_give_the_first_step_of_one_process(tmp_path, tiny_
     code, output = finish(run_train(tiny_args(single, *common)))
     assert code == 0, output
     reference = _first_step(single)
-    for name, extra in [("tp2", ["parallel.tensor=2"]), ("pp2", ["parallel.pipeline=2"]), ("dp2", [])]:
+    # dp2 builds its own warm-start cache under torchrun (the warm-start subprocess must not join
+    # torchrun's agent store); the cached base must equal the single process's.
+    fresh_cache = f"warmstart.cache_dir={tmp_path / 'fresh-cache'}"
+    for name, extra in [("tp2", ["parallel.tensor=2"]), ("pp2", ["parallel.pipeline=2"]), ("dp2", [fresh_cache])]:
         run_dir = str(tmp_path / name)
         code, output = finish(run_train(tiny_args(run_dir, *common, *extra), nproc=2))
         assert code == 0, f"{name}: {output}"
