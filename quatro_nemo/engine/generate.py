@@ -35,12 +35,11 @@ def _run_dir_and_step(checkpoint: str):
 
 def generate_samples(checkpoint: str, problems: Sequence[Dict[str, Any]], num_samples: int, temperature: float,
                      top_p: float, max_new_tokens: int, seed: int) -> List[Dict[str, Any]]:
-    """`num_samples` responses per problem in the samples-file layout (id, benchmark, answer, responses)."""
+    """`num_samples` responses per problem: the problem records plus `responses` (the samples layout)."""
     run_dir, step = _run_dir_and_step(checkpoint)
     cfg = validate(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
-    parallel.initialize_parallel(1, 1, seed=cfg.run.seed)
-    saved_layout = {"world_size": 1, "tensor": 1, "pipeline": 1, "data": 1}
-    state = ckpt.load_checkpoint(run_dir, step, saved_layout)
+    layout = parallel.initialize_parallel(1, 1, seed=cfg.run.seed)
+    state = ckpt.load_checkpoint(run_dir, step, ckpt.layout_signature(layout))
     task = build_task(cfg)
     model_cfg = ModelConfig(**dict(cfg.model, vocab_size=cfg.model.get("vocab_size") or task.vocab_size))
     model = build_model(model_cfg)
@@ -49,5 +48,6 @@ def generate_samples(checkpoint: str, problems: Sequence[Dict[str, Any]], num_sa
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     with torch.no_grad():
         _, responses = task.sample(backend, problems, range(len(problems)), num_samples, params)
-    return [{"id": p["id"], "benchmark": p.get("benchmark", "heldout"), "answer": p.get("answer"),
-             "responses": responses[i * num_samples:(i + 1) * num_samples]} for i, p in enumerate(problems)]
+    # the problem's own fields stay: verifiers need more than the answer (countdown: numbers, target)
+    return [dict(p, benchmark=p.get("benchmark", "heldout"), responses=responses[i * num_samples:(i + 1) * num_samples])
+            for i, p in enumerate(problems)]

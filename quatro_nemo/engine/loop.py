@@ -320,6 +320,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
         update_metrics: List[Dict[str, float]] = []
         rows_per_mini = local_mini * rollout_cfg.n
+        micro_per_mini = micro_batch_rows(rows_per_mini, cfg.parallel.micro_batch_size)
         for _inner in range(trainer.inner_loops):
             for start in range(0, len(problems) * rollout_cfg.n, rows_per_mini):
                 mini = slice_batch(batch, slice(start, start + rows_per_mini))
@@ -327,7 +328,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
                     continue  # every group of this mini-batch was filtered out (dynamic sampling)
                 optimizer.zero_grad(set_to_none=False)
                 metrics = train_step_forward_backward(policy, mini, loss_name, cfg.algorithm,
-                                                      micro_batch_rows(rows_per_mini, cfg.parallel.micro_batch_size))
+                                                      micro_per_mini)
                 metrics["grad_norm"] = float(clip_grad_norm(policy, trainer.grad_clip))
                 optimizer.step()
                 scheduler.step()
