@@ -216,7 +216,7 @@ class QuatroConfig(AlgorithmConfig):
                      or ``none`` (the paper's ablation without the log-ratio term).
     log_ratio_clamp: optional upper clamp on log s_i before exp (safety, off by default).
     clip_low / clip_high: optional GSPO-style clip of s_i; both None (default) or both set.
-    solver_max_iter: iteration cap of the safeguarded Newton dual solver.
+    solver_max_iter: cap on the dual solver's passes over the rewards, per phase (solve_dual's max_iter).
     """
 
     delta: float = 0.1

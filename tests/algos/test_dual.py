@@ -1,5 +1,7 @@
 """Dual solver (quatro-math.md Sec. 2-3) against an independent scipy minimisation of Eq. 11."""
+import contextlib
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -9,9 +11,19 @@ from hypothesis import strategies as st
 from scipy.optimize import minimize_scalar
 from scipy.special import logsumexp
 
-from quatro_nemo.algos import solve_dual
+from quatro_nemo.algos import dual, solve_dual
 
 LAMBDA_MIN = 0.1
+# The solver takes a float32 + float64 path for batches of at least dual.FLOAT32_MIN_ATOMS atoms
+# and a float64-only path below; tests marked with this run on both, whatever their size.
+PATHS = ["float64", "float32+float64"]
+
+
+@contextlib.contextmanager
+def solver_path(path: str):
+    threshold = 0 if path == "float32+float64" else 1 << 62
+    with mock.patch.object(dual, "FLOAT32_MIN_ATOMS", threshold):
+        yield
 
 
 def scipy_lambda(rewards: np.ndarray, delta: float) -> float:
@@ -35,9 +47,10 @@ def kl_max(rewards: np.ndarray) -> float:
     return math.log(rewards.shape[0] / np.sum(rewards == rewards.max()))
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("n", [2, 8, 64, 256])
 @pytest.mark.parametrize("kind", ["continuous", "binary"])
-def test_lambda_matches_scipy_dual_minimiser(n, kind):
+def test_lambda_matches_scipy_dual_minimiser(n, kind, path):
     gen = torch.Generator().manual_seed(1000 + n)
     num_prompts = 6
     if kind == "continuous":
@@ -47,7 +60,8 @@ def test_lambda_matches_scipy_dual_minimiser(n, kind):
         rewards[:, 0] = 1.0  # at least one correct
         rewards[:, 1] = 0.0  # and one wrong: no constant groups here
     deltas = torch.logspace(-3, 0, num_prompts, dtype=torch.float64)
-    sol = solve_dual(rewards, deltas, lambda_min=LAMBDA_MIN)
+    with solver_path(path):
+        sol = solve_dual(rewards, deltas, lambda_min=LAMBDA_MIN)
     checked = 0
     for q in range(num_prompts):
         r = rewards[q].numpy()
@@ -82,11 +96,13 @@ def test_reference_table(delta, c, lam, a_correct, a_wrong):
     assert sol.advantages[0, -1].item() == pytest.approx(a_wrong, abs=5e-5)
 
 
-def test_identities_mean_exp_kl_and_mu():
+@pytest.mark.parametrize("path", PATHS)
+def test_identities_mean_exp_kl_and_mu(path):
     gen = torch.Generator().manual_seed(7)
     rewards = torch.rand(50, 16, generator=gen, dtype=torch.float64) * 5.0
     deltas = torch.rand(50, generator=gen, dtype=torch.float64) * 0.5 + 1e-3
-    sol = solve_dual(rewards, deltas)
+    with solver_path(path):
+        sol = solve_dual(rewards, deltas)
     assert not sol.inactive.any()
     # (1/N) sum_i exp(A_i) = 1 (pi* is normalised).
     torch.testing.assert_close(torch.exp(sol.advantages).mean(dim=1), torch.ones(50, dtype=torch.float64), rtol=0, atol=1e-12)
@@ -180,10 +196,15 @@ def reward_batches(draw):
     return rewards * scale, delta, scale
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=50, deadline=None)
-@given(reward_batches())
-def test_properties(batch):
-    rewards, delta, scale = batch
+@given(batch=reward_batches())
+def test_properties(path, batch):
+    with solver_path(path):
+        check_properties(*batch)
+
+
+def check_properties(rewards, delta, scale):
     n = rewards.shape[1]
     sol = solve_dual(rewards, delta)
     for field in (sol.lam, sol.mu, sol.advantages, sol.kl):
@@ -216,7 +237,8 @@ def test_properties(batch):
     torch.testing.assert_close(permuted.advantages, sol.advantages[:, perm], rtol=1e-9, atol=1e-9)
 
 
-def test_two_valued_fast_path_matches_general_path():
+@pytest.mark.parametrize("path", PATHS)
+def test_two_valued_fast_path_matches_general_path(path):
     # All-binary batches are solved on the two atoms {min, max}; adding one continuous row forces
     # the per-sample path. Both must agree on the shared rows.
     gen = torch.Generator().manual_seed(5)
@@ -226,9 +248,63 @@ def test_two_valued_fast_path_matches_general_path():
     binary[:, 0] = 1.5
     continuous_row = torch.randn(1, 64, generator=gen, dtype=torch.float64)
     deltas = torch.logspace(-3, 0, 31, dtype=torch.float64)
-    fast = solve_dual(binary, deltas[:30])
-    general = solve_dual(torch.cat([binary, continuous_row]), deltas)
+    with solver_path(path):
+        fast = solve_dual(binary, deltas[:30])
+        general = solve_dual(torch.cat([binary, continuous_row]), deltas)
     for field in ("lam", "mu", "kl"):
         torch.testing.assert_close(getattr(fast, field), getattr(general, field)[:30], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(fast.advantages, general.advantages[:30], rtol=1e-10, atol=1e-10)
     assert torch.equal(fast.inactive, general.inactive[:30]) and fast.inactive.any() and (~fast.inactive).any()
+
+
+def numpy_kl(rewards: np.ndarray, lam: float) -> float:
+    """KL(softmax(R / lam) || uniform), float64 numpy (independent of the solver)."""
+    log_w = rewards / lam - logsumexp(rewards / lam)
+    return float(np.sum(np.exp(log_w) * (log_w + math.log(rewards.shape[0]))))
+
+
+# A float32 phase that stops far from the root (a short expansion: s_1 to first order, radius 0.2):
+# the float64 phase then needs several passes of its own and must still reach float64 precision.
+COARSE_FLOAT32 = dual._Expansion(torch.float32, sums=3, radius=0.2, newton_rtol=1e-8)
+
+
+@pytest.mark.parametrize("float32_expansion", [dual.FLOAT32_EXPANSION, COARSE_FLOAT32], ids=["default", "coarse"])
+def test_large_mixed_batch_against_scipy_and_numpy(float32_expansion):
+    # A batch above FLOAT32_MIN_ATOMS (float32 + float64 path) mixing Gaussian and heavy-tailed
+    # rewards (starts far from the root: several passes), rows that cannot bind (N - 1 rewards at
+    # the max) and rows whose delta is within 1e-9 of KL at the floor, where float32 cannot
+    # decide and the float64 check must.
+    gen = torch.Generator().manual_seed(11)
+    num_prompts, n = 320, 256
+    assert num_prompts * n >= dual.FLOAT32_MIN_ATOMS
+    rewards = torch.randn(num_prompts, n, generator=gen, dtype=torch.float64)
+    rewards[::4] = torch.empty(num_prompts // 4, n, dtype=torch.float64).exponential_(generator=gen) ** 2
+    rewards[1::16] = 1.0
+    rewards[1::16, 0] = 0.0
+    deltas = torch.logspace(-3, 0, num_prompts, dtype=torch.float64)[torch.randperm(num_prompts, generator=gen)]
+    doubt_rows = list(range(2, num_prompts, 16))
+    for k, q in enumerate(doubt_rows):
+        r = rewards[q].numpy()
+        deltas[q] = numpy_kl(r, LAMBDA_MIN * (r.max() - r.min())) * (1.0 + (1e-9 if k % 2 else -1e-9))
+    with mock.patch.object(dual, "FLOAT32_EXPANSION", float32_expansion):
+        sol = solve_dual(rewards, deltas, lambda_min=LAMBDA_MIN)
+
+    for field in (sol.lam, sol.mu, sol.advantages, sol.kl):
+        assert torch.isfinite(field).all()
+    torch.testing.assert_close(torch.exp(sol.advantages).mean(dim=1), torch.ones(num_prompts, dtype=torch.float64),
+                               rtol=0, atol=1e-12)
+    expected_inactive = []
+    for q in range(num_prompts):
+        r = rewards[q].numpy()
+        expected_inactive.append(numpy_kl(r, LAMBDA_MIN * (r.max() - r.min())) <= deltas[q].item())
+    assert sol.inactive.tolist() == expected_inactive
+    assert sol.inactive[1::16].sum() >= 5 and sum(expected_inactive[q] for q in doubt_rows) == len(doubt_rows) // 2
+    binding = ~sol.inactive
+    torch.testing.assert_close(sol.kl[binding], deltas[binding], rtol=1e-9, atol=0)
+    # lambda against scipy's minimiser of Eq. 11 on a sample of binding rows of every kind.
+    sample = [q for q in range(num_prompts) if binding[q]][::9]
+    assert len(sample) >= 25
+    for q in sample:
+        r = rewards[q].numpy()
+        assert sol.lam[q].item() == pytest.approx(scipy_lambda(r, deltas[q].item()), rel=1e-6), q
+    assert sol.iterations >= 3  # the heavy-tailed rows needed more than one float32 pass
