@@ -50,6 +50,9 @@ class _Expansion:
     sums: int             # M: power sums s_0 .. s_{M-1} per pass; s_m is expanded to order M-1-m
     radius: float         # |eps| = |b - b0| within which the truncation error is negligible
     newton_rtol: float    # Newton on the expansion stops once every step is below this times b
+    #                       (quadratic convergence: the iterate is then within ~(rtol b)^2 of the root)
+    kl_rtol: float        # a row is solved when its iterate is inside the radius with
+    #                       |KL - delta| <= kl_rtol delta on the expansion
 
 
 # The KL's accuracy on an expansion is that of s_1's, order M - 2: its remainder is below
@@ -58,19 +61,16 @@ class _Expansion:
 # < 1.2e-7, about float32's own precision (the small-KL start is usually within 0.2 of the root,
 # b ~ 0.1 .. 10), then one float64 pass from its root (within ~1e-5), remainder (2e-5)^3 / 3!
 # < 1.4e-15.
-FLOAT32_EXPANSION = _Expansion(torch.float32, sums=7, radius=0.2, newton_rtol=1e-8)
-FLOAT64_EXPANSION = _Expansion(torch.float64, sums=4, radius=2e-5, newton_rtol=1e-14)
+FLOAT32_EXPANSION = _Expansion(torch.float32, sums=7, radius=0.2, newton_rtol=1e-5, kl_rtol=1e-7)
+FLOAT64_EXPANSION = _Expansion(torch.float64, sums=4, radius=2e-5, newton_rtol=1e-9, kl_rtol=1e-12)
 # Small batches, where a pass costs less than Python's overhead: float64 passes of a long
 # expansion, remainder 1 / 17! e < 8e-15 over a radius 1 (usually one pass).
-WIDE_FLOAT64_EXPANSION = _Expansion(torch.float64, sums=18, radius=1.0, newton_rtol=1e-14)
+WIDE_FLOAT64_EXPANSION = _Expansion(torch.float64, sums=18, radius=1.0, newton_rtol=1e-9, kl_rtol=1e-12)
 # Batches with at least this many atoms (B x K) take the float32 + float64 phases.
 FLOAT32_MIN_ATOMS = 1 << 16
 # Newton on each expansion takes at most this many steps (quadratic convergence: a start within
 # the radius needs about five).
 NEWTON_STEPS_PER_EXPANSION = 8
-# A row is solved on an expansion when its Newton iterate ends strictly inside the radius with
-# |KL - delta| at most this fraction of delta.
-KL_RTOL = 1e-12
 # Rows whose first-phase root lies above (1 - FLOOR_DOUBT) b_hi may have their true root beyond
 # the floor (float32 roots are accurate to ~1e-5): the floor test is done for them in float64.
 FLOOR_DOUBT = 1e-3
@@ -175,15 +175,16 @@ def _power_sums(distribution: _RewardDistribution, b: torch.Tensor, count: int) 
 
 
 def _kl(b: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor):
-    """(KL(w || uniform), log mean_j exp(b z_j)) = (b s_1 / s_0 - log s_0, log s_0)  (Sec. 2)."""
+    """(KL(w || uniform), log mean_j exp(b z_j), E_w[z]) = (b s_1 / s_0 - log s_0, log s_0, s_1 / s_0)
+    (Sec. 2)."""
+    mean_z = s1 / s0
     log_mean_exp = torch.log(s0)
-    return b * s1 / s0 - log_mean_exp, log_mean_exp
+    return b * mean_z - log_mean_exp, log_mean_exp, mean_z
 
 
 def _kl_terms(b: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor):
     """(KL, dKL/db = b Var_w(z), log mean_j exp(b z_j)) from the power sums at b."""
-    kl, log_mean_exp = _kl(b, s0, s1)
-    mean_z = s1 / s0
+    kl, log_mean_exp, mean_z = _kl(b, s0, s1)
     return kl, b * (s2 / s0 - mean_z * mean_z).clamp_min(0.0), log_mean_exp
 
 
@@ -212,7 +213,7 @@ class _TaylorModel:
 
     def __call__(self, eps: torch.Tensor):
         coefficients = torch.cat([self.ones, eps.unsqueeze(1) * self.inverse_j], dim=1).cumprod_(dim=1)  # eps^j / j!
-        s = (self.hankel * coefficients.unsqueeze(1)).sum(dim=2)
+        s = torch.bmm(self.hankel, coefficients.unsqueeze(2)).squeeze(2)
         return _kl_terms(self.b0 + eps, s[:, 0], s[:, 1], s[:, 2])
 
 
@@ -233,7 +234,7 @@ def _solve_on_expansions(distribution: _RewardDistribution, delta: torch.Tensor,
 
     Each iteration is one pass over the pending rows: their power sums at b0. Newton's method
     runs on the Taylor expansion, each iterate clamped to the radius and the bracket; a row whose
-    iterate ends strictly inside the radius with |KL - delta| <= KL_RTOL delta is solved. For
+    iterate ends strictly inside the radius with |KL - delta| <= kl_rtol delta is solved. For
     the others the expansion (accurate up to the radius) and the value at b0 narrow the bracket
     (KL is increasing in b), and b0 moves by a Newton step from the values at b0, or to the
     bracket's midpoint if that step leaves it. Returns (iterations, rows still pending).
@@ -247,23 +248,23 @@ def _solve_on_expansions(distribution: _RewardDistribution, delta: torch.Tensor,
         b0, target = roots.b[pending], delta[pending]
         row_lo, row_hi = lo[pending], hi[pending]
         model = _TaylorModel(_power_sums(distribution if full else distribution.rows(pending), b0, expansion.sums), b0)
-        kl0, slope0, _ = model(torch.zeros_like(b0))
+        eps = torch.zeros_like(b0)
+        kl0, slope0, _ = kl, slope, _ = model(eps)
         row_lo = torch.where(kl0 < target, b0, row_lo)
         row_hi = torch.where(kl0 > target, b0, row_hi)
         lower = (row_lo - b0).clamp(min=-expansion.radius)
         upper = (row_hi - b0).clamp(max=expansion.radius)
-        eps = torch.zeros_like(b0)
-        for _ in range(NEWTON_STEPS_PER_EXPANSION):
-            kl, slope, _ = model(eps)
+        for step in range(NEWTON_STEPS_PER_EXPANSION):
             newton = (eps - (kl - target) / slope.clamp_min(torch.finfo(torch.float64).tiny)).nan_to_num_(0.0)
             newton = torch.clamp(newton, min=lower, max=upper)
             converged = bool(((newton - eps).abs() <= expansion.newton_rtol * b0).all())
             eps = newton
-            if converged:
+            if converged or step == NEWTON_STEPS_PER_EXPANSION - 1:
                 break
+            kl, slope, _ = model(eps)
         kl, _, log_mean_exp = model(eps)
         roots.b[pending], roots.kl[pending], roots.log_mean_exp[pending] = b0 + eps, kl, log_mean_exp
-        solved = (eps.abs() < expansion.radius) & ((kl - target).abs() <= KL_RTOL * target)
+        solved = (eps.abs() < expansion.radius) & ((kl - target).abs() <= expansion.kl_rtol * target)
         # Unsolved: b0 + eps is where the expansion stopped (KL there is accurate) - a bracket end.
         row_lo = torch.where(~solved & (kl < target), torch.maximum(row_lo, b0 + eps), row_lo)
         row_hi = torch.where(~solved & (kl > target), torch.minimum(row_hi, b0 + eps), row_hi)
@@ -280,7 +281,7 @@ def _kl_at(distribution: _RewardDistribution, b: torch.Tensor, rows: torch.Tenso
     """(KL, log mean_j exp(b z_j)) at ``b`` [len(rows)] for the row indices ``rows``, in the
     distribution's precision (float64 arithmetic on its power sums)."""
     sums = _power_sums(distribution.rows(rows), b, 2)
-    return _kl(b, sums[:, 0], sums[:, 1])
+    return _kl(b, sums[:, 0], sums[:, 1])[:2]
 
 
 def solve_dual(
