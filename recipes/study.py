@@ -28,12 +28,15 @@ from quatro_nemo.study.config import StudyConfigError, load_study_config  # noqa
 
 
 def previous_info(out: str) -> dict:
-    """The last full invocation's info (wall time, failed runs), kept when only the report is rebuilt."""
+    """The last full invocation's info (wall time, failed runs) and the wall time of every
+    invocation that trained runs, kept when only the report is rebuilt."""
+    from quatro_nemo.study.driver import invocation_totals
+
     path = os.path.join(out, "report.json")
     if not os.path.isfile(path):
-        return {}
+        return invocation_totals(out)
     with open(path) as f:
-        return dict(json.load(f).get("info") or {}, report_rebuilt=True)
+        return dict(json.load(f).get("info") or {}, report_rebuilt=True, **invocation_totals(out))
 
 
 def main(argv) -> int:

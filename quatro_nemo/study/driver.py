@@ -1,6 +1,7 @@
 """One study end to end: plan -> runs (resumable, a few processes at a time) -> claims -> report."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Callable, Dict, Optional
@@ -27,6 +28,29 @@ def write_report(cfg: StudyConfig, plan: StudyPlan, run_dirs: Dict[str, str], ou
     return {"paths": paths, "claims": claims, "study": study}
 
 
+INVOCATIONS_FILE = "invocations.jsonl"
+
+
+def record_invocation(out_dir: str, minutes: float, runs_executed: int) -> Dict[str, float]:
+    """Append this invocation to ``<out>/invocations.jsonl``; returns :func:`invocation_totals`."""
+    with open(os.path.join(out_dir, INVOCATIONS_FILE), "a", encoding="utf-8") as f:
+        f.write(json.dumps({"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": round(minutes, 2),
+                            "runs_executed": runs_executed}) + "\n")
+    return invocation_totals(out_dir)
+
+
+def invocation_totals(out_dir: str) -> Dict[str, float]:
+    """Total wall time of the invocations that trained runs, so a study finished over several
+    (interrupted, extended with more seeds) reports its whole cost against the budget; {} if
+    none is recorded."""
+    path = os.path.join(out_dir, INVOCATIONS_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        training = [r for r in map(json.loads, filter(str.strip, f)) if r["runs_executed"] > 0]
+    return {"total_wall_minutes": sum(r["minutes"] for r in training), "training_invocations": len(training)}
+
+
 def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print,
               workers: Optional[int] = None) -> Dict[str, Any]:
     started = time.time()
@@ -43,10 +67,12 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
     info = {"wall_minutes": (time.time() - started) / 60.0, "failed_runs": failed,
             "runs_executed": sum(r.status == "done" for r in results),
             "runs_skipped": sum(r.status == "skipped" for r in results)}
+    info.update(record_invocation(out_dir, info["wall_minutes"], info["runs_executed"]))
     out = write_report(cfg, plan, {name: run_dir(out_dir, name) for name in plan.runs}, out_dir, info)
-    minutes = info["wall_minutes"]
+    minutes, total = info["wall_minutes"], info["total_wall_minutes"]
     log(f"[study] report: {out['paths']['markdown']} ({minutes:.1f} min"
-        + (f", OVER the {cfg.time_budget_minutes:g} min budget" if minutes > cfg.time_budget_minutes else "")
+        + (f"; {total:.1f} min over {info['training_invocations']} invocations" if info["training_invocations"] > 1 else "")
+        + (f", OVER the {cfg.time_budget_minutes:g} min budget" if total > cfg.time_budget_minutes else "")
         + (f"; {len(failed)} failed run(s): {failed}" if failed else "") + ")")
     out["info"] = info
     return out

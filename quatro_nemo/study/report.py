@@ -229,8 +229,11 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
              f"default lr {plan.defaults.lr:g}, default K {plan.defaults.inner_loops}. Every method sees the same "
              "prompts, rollout budget (prompts x responses per step, steps) and evaluation.", ""]
     if info.get("wall_minutes") is not None:
-        lines += [f"Wall time of this invocation: {info['wall_minutes']:.1f} min with {cfg.workers} training "
-                  f"processes at a time (budget {cfg.time_budget_minutes:g} min).", ""]
+        total, count = info.get("total_wall_minutes"), info.get("training_invocations", 1)
+        spread = (f"; {total:.1f} min in all, over the {count} invocations that trained runs"
+                  if total is not None and count > 1 else "")
+        lines += [f"Wall time of this invocation: {info['wall_minutes']:.1f} min{spread}, with {cfg.workers} "
+                  f"training processes at a time (budget {cfg.time_budget_minutes:g} min).", ""]
     if info.get("scale_note"):
         lines += [f"**Scale.** {info['scale_note']}", ""]
     lines += [f"Seeds: main comparison {plan.seeds}; sweeps {plan.sweep_seeds}; ablation {plan.ablation_seeds}; "

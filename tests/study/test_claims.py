@@ -173,12 +173,13 @@ def test_report_states_each_claim_with_numbers(quatro_wins, tmp_path):
     cfg, plan, study = quatro_wins
     table = advantage_table([0.02, 0.1], 8, 0.1)
     claims = evaluate_claims(study, table)
-    paths = write_study_report(study, claims, table, str(tmp_path / "report"), {"wall_minutes": 1.5})
+    paths = write_study_report(study, claims, table, str(tmp_path / "report"),
+                               {"wall_minutes": 1.5, "total_wall_minutes": 4.25, "training_invocations": 2})
     text = open(paths["markdown"]).read()
     for claim in claims:
         assert f"| {claim.id} |" in text
     assert "0.900 ± 0.014" in text            # QUATRO pass@16 mean ± std over the two seeds
-    assert "1.5 min" in text
+    assert "this invocation: 1.5 min; 4.2 min in all, over the 2 invocations" in text
     assert {"stability_inner_loops", "stability_lr", "logratio_ablation"} <= set(paths)
     for figure in ("pass_at_k", "ucc_at_k", "training", "lambda", "advantage_vs_correct"):
         assert os.path.getsize(paths[figure]) > 1000

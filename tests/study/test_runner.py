@@ -49,3 +49,15 @@ def test_execute_skips_done_runs_reports_failures_and_isolates_runs(tmp_path, mo
     # a second pass trains nothing that finished, and retries the failure
     again = runner.execute(specs[:3], study_dir, ["config=config"], workers=2, log=messages.append, poll_s=0.05)
     assert {r.status for r in again} == {"skipped"}
+
+
+def test_invocations_total_the_wall_time_of_those_that_trained(tmp_path):
+    # A study finished over several invocations reports the sum of the ones that trained runs;
+    # a report-only or all-skipped invocation (no run executed) adds nothing.
+    from quatro_nemo.study.driver import INVOCATIONS_FILE, record_invocation
+    assert record_invocation(str(tmp_path), 38.9, 63) == {"total_wall_minutes": 38.9, "training_invocations": 1}
+    assert record_invocation(str(tmp_path), 0.4, 0) == {"total_wall_minutes": 38.9, "training_invocations": 1}
+    totals = record_invocation(str(tmp_path), 24.1, 38)
+    assert totals["training_invocations"] == 2 and abs(totals["total_wall_minutes"] - 63.0) < 1e-9
+    lines = [json.loads(line) for line in open(tmp_path / INVOCATIONS_FILE)]
+    assert [r["runs_executed"] for r in lines] == [63, 0, 38]
