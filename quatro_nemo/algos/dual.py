@@ -249,7 +249,8 @@ def _solve_on_expansions(distribution: _RewardDistribution, delta: torch.Tensor,
         row_lo, row_hi = lo[pending], hi[pending]
         model = _TaylorModel(_power_sums(distribution if full else distribution.rows(pending), b0, expansion.sums), b0)
         eps = torch.zeros_like(b0)
-        kl0, slope0, _ = kl, slope, _ = model(eps)
+        kl0, slope0, _ = model(eps)
+        kl, slope = kl0, slope0
         row_lo = torch.where(kl0 < target, b0, row_lo)
         row_hi = torch.where(kl0 > target, b0, row_hi)
         lower = (row_lo - b0).clamp(min=-expansion.radius)
@@ -304,7 +305,7 @@ def solve_dual(
     r_min, r_max = check_rewards(rewards)
     if not (isinstance(lambda_min, (int, float)) and math.isfinite(lambda_min) and lambda_min > 0):
         raise ValueError(f"lambda_min must be a finite number > 0, got {lambda_min!r}")
-    num_prompts, n = rewards.shape
+    num_prompts = rewards.shape[0]
     delta_t = torch.as_tensor(delta, dtype=torch.float64, device=rewards.device)
     if delta_t.dim() == 0:
         delta_t = delta_t.expand(num_prompts)
