@@ -44,7 +44,6 @@ def main(argv) -> int:
     parser.add_argument("--config", default=None, help="conf/study/<name>.yaml or a YAML path (default: full)")
     parser.add_argument("--quick", action="store_true", help="the CI-scale study (conf/study/quick.yaml)")
     parser.add_argument("--out", default=None, help="study directory (default: runs/study_<name>)")
-    parser.add_argument("--workers", type=int, default=None, help="training processes at a time")
     parser.add_argument("--report-only", action="store_true", help="no training: report on the finished runs")
     parser.add_argument("--emit-sweep", metavar="FILE", help="write the run list for slurm/sweep.sh and exit")
     parser.add_argument("--collect", metavar="SWEEP_DIR", help="report on a slurm/sweep.sh sweep directory")
@@ -75,7 +74,7 @@ def main(argv) -> int:
             plan = build_plan(cfg)
             result = write_report(cfg, plan, {n: run_dir(out, n) for n in plan.runs}, out, previous_info(out))
         else:
-            result = run_study(cfg, out, workers=args.workers)
+            result = run_study(cfg, out)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ from quatro_nemo.algos import solve_dual
 from quatro_nemo.engine.logging import read_metrics
 from quatro_nemo.study.config import QUATRO, StudyConfig
 from quatro_nemo.study.plan import Setting, StudyPlan
+from quatro_nemo.study.runner import is_done
 
 REPRODUCED, PARTLY, NOT_REPRODUCED, NOT_TESTED = "REPRODUCED", "PARTLY", "NOT REPRODUCED", "NOT TESTED"
 HOLDS, REVERSED, WITHIN_NOISE = "holds", "reversed", "within noise"
@@ -55,7 +56,7 @@ class RunData:
 
 def load_run(directory: str, name: str) -> Optional[RunData]:
     """A finished run (report.json written), or None."""
-    if not os.path.isfile(os.path.join(directory, "report.json")):
+    if not is_done(directory):
         return None
     records = read_metrics(os.path.join(directory, "metrics.jsonl"))
     evals = sorted((r for r in records if r["kind"] == "eval"), key=lambda r: r["step"])
@@ -83,8 +84,13 @@ class Stat:
     values: List[float] = field(default_factory=list)
 
 
+def finite_values(values: Sequence[Any]) -> List[float]:
+    """The finite values as floats (metrics.jsonl logs +-inf as the strings "inf" / "-inf")."""
+    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+
+
 def stat(values: Sequence[float]) -> Optional[Stat]:
-    values = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    values = finite_values(values)
     if not values:
         return None
     std = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
@@ -95,7 +101,7 @@ def pooled_std(groups: Sequence[Sequence[float]]) -> Optional[float]:
     """sqrt(sum (n_i - 1) s_i^2 / sum (n_i - 1)) over groups with >= 2 values; None if none."""
     num = den = 0.0
     for values in groups:
-        values = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+        values = finite_values(values)
         if len(values) >= 2:
             num += (len(values) - 1) * float(np.var(values, ddof=1))
             den += len(values) - 1
@@ -114,12 +120,12 @@ def entropy_retention(run: RunData) -> Optional[float]:
 
 
 def mean_over_training(run: RunData, key: str) -> Optional[float]:
-    values = [r[key] for r in run.train if r.get(key) is not None]
+    values = finite_values(r.get(key) for r in run.train)
     return float(np.mean(values)) if values else None
 
 
 def peak_over_training(run: RunData, key: str) -> Optional[float]:
-    values = [r[key] for r in run.train if r.get(key) is not None]
+    values = finite_values(r.get(key) for r in run.train)
     return float(np.max(values)) if values else None
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
+from quatro_nemo.data.schema import iter_jsonl
 from quatro_nemo.engine.config import load_config
 from quatro_nemo.study.analysis import Study, advantage_table, evaluate_claims, load_runs
 from quatro_nemo.study.config import QUATRO, StudyConfig
-from quatro_nemo.study.plan import StudyPlan, build_plan, sweep_lines, train_args
+from quatro_nemo.study.plan import StudyPlan, build_plan, sweep_line, sweep_lines, train_args
 from quatro_nemo.study.report import write_study_report
 from quatro_nemo.study.runner import execute, is_done, prewarm, run_dir
 
@@ -46,14 +47,14 @@ def invocation_totals(out_dir: str) -> Dict[str, float]:
     path = os.path.join(out_dir, INVOCATIONS_FILE)
     if not os.path.exists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        training = [r for r in map(json.loads, filter(str.strip, f)) if r["runs_executed"] > 0]
+    training = [r for _, r in iter_jsonl(path) if r["runs_executed"] > 0]
     return {"total_wall_minutes": sum(r["minutes"] for r in training), "training_invocations": len(training)}
 
 
-def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print,
-              workers: Optional[int] = None) -> Dict[str, Any]:
+def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print) -> Dict[str, Any]:
     started = time.time()
+    # Absolute: the trainings run with the repository as working directory (runner.execute).
+    out_dir = os.path.abspath(out_dir)
     plan = build_plan(cfg)
     base = train_args(cfg)
     pending = [s for s in plan.runs.values() if not is_done(run_dir(out_dir, s.name))]
@@ -62,7 +63,7 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
     os.makedirs(out_dir, exist_ok=True)
     if len(pending) > 1:
         prewarm(base)   # the warm-start cache once, not in every concurrent run
-    results = execute(list(plan.runs.values()), out_dir, base, workers or cfg.workers, log=log)
+    results = execute(list(plan.runs.values()), out_dir, base, cfg.workers, log=log)
     failed = [r.name for r in results if r.status == "failed"]
     info = {"wall_minutes": (time.time() - started) / 60.0, "failed_runs": failed,
             "runs_executed": sum(r.status == "done" for r in results),
@@ -92,7 +93,7 @@ def collect_sweep(cfg: StudyConfig, sweep_dir: str, out_dir: str) -> Dict[str, A
     """Report on a SLURM sweep submitted from `emit_sweep`'s file: sweep.sh records each task's
     override set in <sweep_dir>/tasks.tsv and runs it in <sweep_dir>/task-<i>."""
     plan = build_plan(cfg)
-    by_line = {" ".join([*cfg.train_overrides, *spec.overrides]): name for name, spec in plan.runs.items()}
+    by_line = {sweep_line(cfg, spec): name for name, spec in plan.runs.items()}
     tasks = os.path.join(sweep_dir, "tasks.tsv")
     if not os.path.isfile(tasks):
         raise FileNotFoundError(f"{tasks} not found: is {sweep_dir} a directory written by slurm/sweep.sh?")

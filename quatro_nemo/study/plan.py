@@ -128,6 +128,11 @@ def build_plan(cfg: StudyConfig) -> StudyPlan:
                      ablation, list(ab.seeds), deltas, list(cfg.deltas.seeds))
 
 
+def sweep_line(cfg: StudyConfig, spec: RunSpec) -> str:
+    """One run's override set as a sweep-file line (``--collect`` maps lines back to runs by it)."""
+    return " ".join([*cfg.train_overrides, *spec.overrides])
+
+
 def sweep_lines(cfg: StudyConfig, plan: StudyPlan) -> List[str]:
     """The SLURM sweep file (slurm/sweep.sh): one override set per line, each preceded by a
     comment naming the run. ``config=`` is left to the template; ``run.dir`` to sweep.sh."""
@@ -135,5 +140,5 @@ def sweep_lines(cfg: StudyConfig, plan: StudyPlan) -> List[str]:
              f"default lr {plan.defaults.lr!r}).",
              "# Submit: bash slurm/sweep.sh THIS_FILE; report: python recipes/study.py --collect SWEEP_DIR ..."]
     for spec in plan.runs.values():
-        lines += [f"# {spec.name}", " ".join([*cfg.train_overrides, *spec.overrides])]
+        lines += [f"# {spec.name}", sweep_line(cfg, spec)]
     return lines

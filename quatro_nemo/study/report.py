@@ -7,30 +7,19 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from quatro_nemo.eval.plots import _pyplot
+from quatro_nemo.eval.tables import _markdown_table as _table
 from quatro_nemo.eval.tables import to_jsonable
 from quatro_nemo.study.config import QUATRO
 from quatro_nemo.study.analysis import (Claim, Stat, Study, base_metric, claims_to_json, entropy_retention,
-                                        final_metric, identical_methods, mean_over_training, peak_over_training)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+                                        final_metric, identical_methods, ks_of, mean_over_training,
+                                        peak_over_training)
 
 
 def _fmt(s: Optional[Stat], digits: int = 3) -> str:
     if s is None:
         return "-"
     return f"{s.mean:.{digits}f}" if s.n == 1 else f"{s.mean:.{digits}f} ± {s.std:.{digits}f}"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> List[str]:
-    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows] + [""])
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,7 +39,7 @@ def plot_at_k(study: Study, prefix: str, ylabel: str, path: str) -> bool:
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     drawn = False
     for i, (name, setting) in enumerate(study.plan.compare.items()):
-        ks = sorted({k for run in study.group(setting, study.plan.seeds) for k in _ks(run.final, prefix)})
+        ks = sorted({k for run in study.group(setting, study.plan.seeds) for k in ks_of(run.final, prefix)})
         stats = [study.stat(setting, study.plan.seeds, final_metric(f"{prefix}{k}")) for k in ks]
         pairs = [(k, s) for k, s in zip(ks, stats) if s is not None]
         if pairs:
@@ -66,10 +55,6 @@ def plot_at_k(study: Study, prefix: str, ylabel: str, path: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return drawn
-
-
-def _ks(record: Dict[str, Any], prefix: str) -> List[int]:
-    return [int(k[len(prefix):]) for k in record if k.startswith(prefix)]
 
 
 def plot_curves(study: Study, settings: Dict[str, Any], seeds: Sequence[int], keys: Sequence[str],
@@ -232,7 +217,8 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
         total, count = info.get("total_wall_minutes"), info.get("training_invocations", 1)
         spread = (f"; {total:.1f} min in all, over the {count} invocations that trained runs"
                   if total is not None and count > 1 else "")
-        lines += [f"Wall time of this invocation: {info['wall_minutes']:.1f} min{spread}, with {cfg.workers} "
+        which = "the last invocation that trained runs" if info.get("report_rebuilt") else "this invocation"
+        lines += [f"Wall time of {which}: {info['wall_minutes']:.1f} min{spread}, with {cfg.workers} "
                   f"training processes at a time (budget {cfg.time_budget_minutes:g} min).", ""]
     if info.get("scale_note"):
         lines += [f"**Scale.** {info['scale_note']}", ""]
@@ -256,7 +242,7 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
     header += ["UCR", "final entropy", "entropy last/first", "clip frac"]
     lines += _table(header, _compare_rows(study, kmax))
     if kmax:
-        ks = sorted(set(_ks(next(iter(study.runs.values())).final, "pass@"))) if study.runs else []
+        ks = ks_of(next(iter(study.runs.values())).final, "pass@") if study.runs else []
         rows = [[name] + [_fmt(study.stat(s, plan.seeds, final_metric(f"pass@{k}"))) for k in ks]
                 for name, s in plan.compare.items()]
         lines += ["Held-out Pass@k:", ""] + _table(["method"] + [f"k={k}" for k in ks], rows)

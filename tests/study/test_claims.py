@@ -219,3 +219,13 @@ def test_advantage_claim_checks_the_figure_properties():
     broken = {d: dict(t) for d, t in table.items()}
     broken[0.01]["a_correct"] = list(reversed(table[0.01]["a_correct"]))   # rising in c: the figure's claim fails
     assert claim_advantage_vs_correct(broken).verdict == NOT_REPRODUCED
+
+
+def test_training_curves_skip_the_infinities_metrics_jsonl_logs_as_strings():
+    # engine.logging writes +-inf as "inf" / "-inf" (a diverging lr x16 run); the curve statistics
+    # must skip them as stat() does, not fail on a string.
+    from quatro_nemo.study.analysis import RunData, mean_over_training, peak_over_training
+    run = RunData("r", [{"step": 0}], [{"step": 1, "policy/kl_old": 0.5}, {"step": 2, "policy/kl_old": "inf"},
+                                      {"step": 3, "policy/kl_old": 1.5}, {"step": 4, "policy/kl_old": None}])
+    assert mean_over_training(run, "policy/kl_old") == pytest.approx(1.0)
+    assert peak_over_training(run, "policy/kl_old") == 1.5
