@@ -95,9 +95,7 @@ def run_to_hf(out: str, train_args: Sequence[str], step: Optional[int] = None) -
         raise FileNotFoundError(f"no complete checkpoint under {run_dir}/checkpoints")
     layout = initialize_parallel(config.parallel.tensor, config.parallel.pipeline, seed=config.run.seed)
     model = build_model(cfg)
-    saved = ckpt.load_checkpoint(run_dir, step, {"world_size": layout.world_size, "tensor": layout.tensor_parallel,
-                                                 "pipeline": layout.pipeline_parallel,
-                                                 "data": layout.data_parallel})
+    saved = ckpt.load_checkpoint(run_dir, step, ckpt.layout_signature(layout))
     model.load_state_dict(saved["model"])
     hf_dir = (config.task or {}).get("hf_checkpoint") or None
     base = read_hf_checkpoint(hf_dir, lazy=True)[0] if hf_dir and os.path.isdir(hf_dir) else None

@@ -14,7 +14,6 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
-from quatro_nemo.data.schema import read_problems  # noqa: F401  (re-exported for the recipe)
 
 
 class ProblemPromptDataset(torch.utils.data.Dataset):

@@ -18,7 +18,7 @@ from quatro_nemo.engine.config import validate
 from quatro_nemo.engine.rollout import MegatronRolloutBackend
 from quatro_nemo.engine.task import build_task
 from quatro_nemo.megatron import parallel
-from quatro_nemo.megatron.models import ModelConfig, build_model
+from quatro_nemo.megatron.models import build_model
 from quatro_nemo.megatron.sampling import SamplingParams
 
 
@@ -41,8 +41,7 @@ def generate_samples(checkpoint: str, problems: Sequence[Dict[str, Any]], num_sa
     layout = parallel.initialize_parallel(1, 1, seed=cfg.run.seed)
     state = ckpt.load_checkpoint(run_dir, step, ckpt.layout_signature(layout))
     task = build_task(cfg)
-    model_cfg = ModelConfig(**dict(cfg.model, vocab_size=cfg.model.get("vocab_size") or task.vocab_size))
-    model = build_model(model_cfg)
+    model = build_model(task.model_config(cfg.model))
     model.load_state_dict(state["model"])
     backend = MegatronRolloutBackend(model, eos_id=task.eos_id, pad_id=task.pad_id)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)

@@ -44,7 +44,7 @@ from quatro_nemo.engine.task import Task, build_task
 from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.forward import compute_logprobs, micro_batch_rows, train_step_forward_backward
-from quatro_nemo.megatron.models import ModelConfig, build_model
+from quatro_nemo.megatron.models import build_model
 from quatro_nemo.megatron.quiet import quiet_library_warnings
 from quatro_nemo.megatron.checkpoint import load_full_state_dict
 
@@ -230,7 +230,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
 
     # Task: prompts, tokenizer, verifier, and the base model (warm-start on the CPU default).
     task: Task = build_task(cfg)
-    model_cfg = ModelConfig(**dict(cfg.model, vocab_size=cfg.model.get("vocab_size") or task.vocab_size))
+    model_cfg = task.model_config(cfg.model)
     base_state = task.load_base_state(model_cfg)    # full (TP=1, PP=1) state dict, same on all ranks
 
     policy = build_model(model_cfg)

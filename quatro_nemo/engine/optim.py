@@ -18,13 +18,13 @@ import torch
 
 class MasterWeightAdamW:
     """AdamW over float32 masters of low-precision parameters (the torch.optim.Optimizer API the
-    loop uses: zero_grad, step, state_dict, load_state_dict, param_groups)."""
+    loop uses: zero_grad, step, state_dict, load_state_dict; a LR scheduler drives the inner
+    ``optimizer``, see build_optimizer)."""
 
     def __init__(self, params, **adamw_kwargs: Any):
         self.model_params: List[torch.nn.Parameter] = [p for p in params if p.requires_grad]
-        self.masters = [p.detach().float().clone() for p in self.model_params]
+        self.masters = [p.detach().to(torch.float32, copy=True) for p in self.model_params]
         self.optimizer = torch.optim.AdamW(self.masters, **adamw_kwargs)
-        self.param_groups = self.optimizer.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.model_params:
@@ -41,6 +41,7 @@ class MasterWeightAdamW:
         self.optimizer.step()
         for p, master in zip(self.model_params, self.masters):
             p.copy_(master)
+            master.grad = None   # the float32 gradient copy is not kept between steps
 
     def state_dict(self) -> Dict[str, Any]:
         return {"adamw": self.optimizer.state_dict(), "masters": [m.clone() for m in self.masters]}

@@ -45,6 +45,13 @@ class Task:
                                    prompt_indices=list(prompt_indices))
         return rollout, [self.decode_response(ids) for ids in rollout.response_ids()]
 
+    def model_config(self, model_section):
+        """The ModelConfig of the run's ``model`` section, with this task's vocabulary size unless
+        the section sets one."""
+        from quatro_nemo.megatron.models import ModelConfig
+
+        return ModelConfig(**dict(model_section, vocab_size=model_section.get("vocab_size") or self.vocab_size))
+
 
 @dataclass
 class JsonlTaskConfig:

@@ -26,11 +26,11 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from quatro_nemo.eval.similarity import cluster_near_duplicates, rouge_l_similarity
+from quatro_nemo.eval.similarity import DEFAULT_THRESHOLDS, cluster_near_duplicates, rouge_l_similarity
 from quatro_nemo.rewards.code import extract_code
 
 _BUILTIN_NAMES = frozenset(dir(builtins))
-DEFAULT_CODE_THRESHOLD = 0.9   # [choice] near-duplicate when normalised token ROUGE-L >= 0.9
+DEFAULT_CODE_THRESHOLD = DEFAULT_THRESHOLDS["code"]   # [choice] near-duplicate: normalised token ROUGE-L >= 0.9
 
 
 class _Anonymiser(ast.NodeTransformer):

@@ -43,13 +43,12 @@ def prewarm(base_args: Sequence[str]) -> None:
     """Build the warm-start cache once, before several runs would each train it."""
     from quatro_nemo.engine.config import load_config
     from quatro_nemo.engine.task import build_task
-    from quatro_nemo.megatron.models import ModelConfig
 
     cfg = load_config(list(base_args))
     if (cfg.task or {}).get("name") != "countdown":
         return   # other tasks load a pretrained checkpoint: nothing to build
     task = build_task(cfg)
-    task.load_base_state(ModelConfig(**dict(cfg.model, vocab_size=cfg.model.get("vocab_size") or task.vocab_size)))
+    task.load_base_state(task.model_config(cfg.model))
 
 
 def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], workers: int,

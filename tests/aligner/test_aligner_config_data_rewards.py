@@ -8,7 +8,8 @@ import torch
 from omegaconf import OmegaConf
 
 from quatro_nemo.aligner.config import validate_recipe_config
-from quatro_nemo.aligner.data import ProblemPromptDataset, collate_with_prompt_ids, read_problems
+from quatro_nemo.aligner.data import ProblemPromptDataset, collate_with_prompt_ids
+from quatro_nemo.data.schema import read_problems
 from quatro_nemo.aligner.rewards import VerifierRewardClient, build_reward_client
 
 CONF_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
