@@ -32,6 +32,7 @@
 #   QUATRO_CONTAINER_PYTHON python inside the container (default: python)
 #   QUATRO_MAX_RESTARTS     most requeues a job may go through (default: 20)
 #   QUATRO_RANK_EXIT_WAIT_S seconds the other ranks get after the first one exits (default: 600)
+#   QUATRO_REQUEUE_WAIT_S   seconds the batch shell waits for SLURM after `scontrol requeue` (default: 300)
 #   QUATRO_MASTER_PORT      rendezvous port (default: 20000 + 10 * (job id mod 2000) + restart mod 10)
 
 QUATRO_EXIT_REQUEUE=75            # EX_TEMPFAIL: checkpoint saved, requeue me (docs/interfaces.md)

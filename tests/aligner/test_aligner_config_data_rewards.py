@@ -110,15 +110,15 @@ def test_verifier_client_scores_each_response_against_its_problem():
 
     problems = [{"id": "a", "answer": "cd"}, {"id": "b", "answer": "xy"}]
     client = VerifierRewardClient(Verifier(), problems, Tokenizer())
-    rollout_batch = {  # prompt "ab" + response; lengths count prompt + response
-        "response_tokens": torch.tensor([[1, 2, 3, 4, 0], [1, 2, 24, 25, 26]]),
+    rollout_batch = {  # prompt "ab" + response; lengths count prompt + response; rows not in id order
+        "response_tokens": torch.tensor([[1, 2, 24, 25, 26], [1, 2, 3, 4, 0]]),
         "prompt_lengths": torch.tensor([2, 2]),
         "response_lengths": torch.tensor([4, 4]),
-        "prompt_ids": torch.tensor([0, 1]),
+        "prompt_ids": torch.tensor([1, 0]),
     }
     rewards = client.infer_rm(rollout_batch).result()
     assert rewards.shape == (2, 1) and rewards.flatten().tolist() == [1.0, 1.0]
-    assert seen[0] == (problems, ["cd", "xy"])
+    assert seen[0] == ([problems[1], problems[0]], ["xy", "cd"])
     with pytest.raises(KeyError, match="prompt_ids"):
         client.infer_rm({k: v for k, v in rollout_batch.items() if k != "prompt_ids"})
 

@@ -20,13 +20,14 @@ def test_evaluate_samples_a_run_checkpoint_like_the_runs_own_evaluation(tmp_path
     own = [json.loads(line) for line in open(run_dir / "eval" / "samples_step000001.jsonl")]
     problems = tmp_path / "problems.jsonl"
     from quatro_nemo.engine.config import load_config
+    from quatro_nemo.engine.evaluation import EVAL_SEED_TAG
     from quatro_nemo.engine.task import build_task
 
     cfg = load_config(tiny_args(str(run_dir)))
     task = build_task(cfg)
     problems.write_text("".join(json.dumps(p) + "\n" for p in task.heldout_problems[:len(own)]))
     out = tmp_path / "eval"
-    seed = cfg.run.seed + 7919  # quatro_nemo.engine.evaluation.EVAL_SEED_TAG
+    seed = cfg.run.seed + EVAL_SEED_TAG
     done = subprocess.run(
         [sys.executable, os.path.join(REPO, "recipes", "evaluate.py"), "--checkpoint", str(run_dir),
          "--data", str(problems), "--verifier", "countdown", "--ucc-metric", "exact",

@@ -45,6 +45,12 @@ def test_master_weights_keep_updates_that_bf16_parameters_would_lose():
     assert (master.double() - reference.detach()).abs().max() < 5e-7
     assert (master - start).abs().max() > 2e-6
     assert torch.equal(naive.detach(), start.to(torch.bfloat16))           # ... and lost without masters
+    # A step large enough for bf16 to see: the model's parameter is the master, rounded to bf16.
+    optimizer.optimizer.param_groups[0]["lr"] = 1e-1
+    bf16.grad = grads[0].to(torch.bfloat16)
+    optimizer.step()
+    assert torch.equal(bf16.detach(), optimizer.masters[0].to(torch.bfloat16))
+    assert not torch.equal(bf16.detach(), start.to(torch.bfloat16))
 
     state = optimizer.state_dict()
     again = MasterWeightAdamW([torch.nn.Parameter(start.to(torch.bfloat16))], lr=lr, weight_decay=0.0)

@@ -18,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TEMPLATES = ["slurm/quatro_1p5b.sh", "slurm/quatro_7b.sh", "slurm/eval.sh"]
-SHELL_SCRIPTS = TEMPLATES + ["slurm/sweep.sh", "slurm/lib/common.sh", "slurm/lib/launch.sh",
-                             "scripts/slurm_local.sh"]
+SHELL_SCRIPTS = TEMPLATES + ["slurm/quatro_aligner.sh", "slurm/sweep.sh", "slurm/lib/common.sh",
+                             "slurm/lib/launch.sh", "scripts/slurm_local.sh"]
 
 
 def tool(name: str) -> str:
