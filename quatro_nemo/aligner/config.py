@@ -48,6 +48,13 @@ class QuatroTrainerOptions:
         return cls(**values)
 
 
+def register_resolvers() -> None:
+    """The OmegaConf resolvers NeMo-Aligner's configs use (conf/aligner/*.yaml)."""
+    for name, fn in (("multiply", lambda x, y: x * y), ("int_div", lambda x, y: x // y),
+                     ("subtract", lambda x, y: x - y)):
+        OmegaConf.register_new_resolver(name, fn, replace=True)
+
+
 def _require(cfg: DictConfig, key: str) -> Any:
     value = OmegaConf.select(cfg, key, default=None)
     if value is None:

@@ -2,7 +2,8 @@
 
 One process per rank. ``initialize_parallel`` reads the usual ``env://`` variables (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; torchrun and our SLURM templates export them);
-without ``WORLD_SIZE`` it makes a one-process group, so the same code runs single-process.
+without ``WORLD_SIZE`` it makes a one-process group over a private ``tcp://`` rendezvous (nothing
+exported for child processes to inherit), so the same code runs single-process.
 The backend is gloo without CUDA (with :mod:`quatro_nemo.megatron.compat` applied) and nccl with.
 
 Layout of the ranks is megatron-core's: TP innermost, then DP, then PP
@@ -37,7 +38,7 @@ class ParallelLayout:
 
 # What torchrun / the SLURM launcher export to describe a rank of a process group.
 RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+                        "GROUP_RANK", "ROLE_RANK")
 
 
 def standalone_environment() -> dict:

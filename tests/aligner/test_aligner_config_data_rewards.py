@@ -5,9 +5,8 @@ import os
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from quatro_nemo.aligner.config import validate_recipe_config
+from quatro_nemo.aligner.config import register_resolvers, validate_recipe_config
 from quatro_nemo.aligner.data import ProblemPromptDataset, collate_with_prompt_ids
 from quatro_nemo.data.schema import read_problems
 from quatro_nemo.aligner.rewards import VerifierRewardClient, build_reward_client
@@ -28,9 +27,7 @@ def problem_files(tmp_path):
 
 def _compose(overrides):
     hydra = pytest.importorskip("hydra")
-    for name, fn in (("multiply", lambda x, y: x * y), ("int_div", lambda x, y: x // y),
-                     ("subtract", lambda x, y: x - y)):
-        OmegaConf.register_new_resolver(name, fn, replace=True)
+    register_resolvers()
     with hydra.initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base=None):
         return hydra.compose(config_name="aligner/gpt_quatro_actor", overrides=overrides)
 
