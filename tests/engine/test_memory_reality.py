@@ -67,12 +67,19 @@ def probe_plan(world_size: int, distributed_optimizer: bool):
                        ScaleConfig(distributed_optimizer=distributed_optimizer), VllmConfig(), work, CPU_RUNTIME)
 
 
+LAYOUTS = {"dp1": ["--world-size", "1"], "dp2_distributed": ["--world-size", "2", "--distributed-optimizer"]}
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
+    """``measured(name)``: the ranks of layout ``name`` of :data:`LAYOUTS`, each measured once."""
     runs = {}
-    for name, world_size, flags in [("dp1", 1, []), ("dp2_distributed", 2, ["--distributed-optimizer"])]:
-        runs[name] = measure(tmp_path_factory.mktemp(name), "--world-size", str(world_size), *flags)
-    return runs
+
+    def run(name):
+        if name not in runs:
+            runs[name] = measure(tmp_path_factory.mktemp(name), *LAYOUTS[name])
+        return runs[name]
+    return run
 
 
 def _relative_error(measured_bytes: float, planned_gb: float) -> float:
@@ -80,7 +87,7 @@ def _relative_error(measured_bytes: float, planned_gb: float) -> float:
 
 
 def test_plan_matches_measured_peak_data_parallel_1(measured):
-    (rank,) = measured["dp1"]
+    (rank,) = measured("dp1")
     plan = probe_plan(1, distributed_optimizer=False)
     assert rank["parameters"] == plan.parameters_per_gpu
     # 16 bytes per parameter: weights 4 + DDP's float32 gradient buffer 4 + Adam's moments 8.
@@ -89,11 +96,11 @@ def test_plan_matches_measured_peak_data_parallel_1(measured):
 
 
 def test_distributed_optimizer_shrinks_each_rank_as_planned(measured):
-    (single,) = measured["dp1"]
+    (single,) = measured("dp1")
     plan_single = probe_plan(1, distributed_optimizer=False)
     plan = probe_plan(2, distributed_optimizer=True)
     assert plan.optimizer_gb == pytest.approx(plan_single.optimizer_gb / 2)
-    for rank in measured["dp2_distributed"]:
+    for rank in measured("dp2_distributed"):
         assert rank["data_parallel"] == 2 and rank["distributed_optimizer"]
         # Adam's moments, read from the optimizer itself: half of them on each rank.
         assert rank["optimizer_state_bytes"] == pytest.approx(plan.optimizer_gb * GB, rel=0.01)
