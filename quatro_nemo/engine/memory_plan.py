@@ -396,6 +396,7 @@ class MemoryPlan:
     weight_push_gb: float
     vllm_gb: float
     rollout_phase_gb: float
+    peak_allocated_gb: float           # max of both phases without the reserve: max_memory_allocated()
     gpu_memory_gb: float
     kv_cache_gb: float
     kv_bytes_per_token: float
@@ -416,6 +417,14 @@ class MemoryPlan:
 
     def as_dict(self) -> Dict[str, object]:
         return asdict(self)
+
+    def compare_peak(self, measured_gb: float) -> str:
+        """One line: a measured peak (``torch.cuda.max_memory_allocated()`` over a run, or the CPU's
+        resident growth) next to :attr:`peak_allocated_gb`."""
+        return (f"peak memory per rank: measured {measured_gb:.2f} GB, planned {self.peak_allocated_gb:.2f} GB "
+                f"(training {self.train_peak_allocated_gb:.2f}, rollout "
+                f"{max(self.rollout_phase_gb - self.reserve_gb, 0.0):.2f}, without the {self.reserve_gb:g} GB reserve); "
+                f"measured / planned = {measured_gb / self.peak_allocated_gb:.2f}")
 
     def format(self) -> str:
         sharding = f"sharded over DP={self.data_parallel}" if self.distributed_optimizer else "not sharded"
@@ -616,7 +625,8 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: Sc
         reference_gb=reference / GB, reserve_gb=reserve / GB, vllm_while_training_gb=vllm_while_training / GB,
         train_peak_allocated_gb=train_peak / GB, train_phase_gb=train_phase / GB,
         resident_during_rollout_gb=resident / GB if uses_vllm else 0.0, weight_push_gb=push / GB,
-        vllm_gb=vllm_budget / GB, rollout_phase_gb=rollout_phase / GB, gpu_memory_gb=cluster.gpu_memory_gb,
+        vllm_gb=vllm_budget / GB, rollout_phase_gb=rollout_phase / GB,
+        peak_allocated_gb=max(train_peak, rollout_phase - reserve) / GB, gpu_memory_gb=cluster.gpu_memory_gb,
         kv_cache_gb=max(kv_cache, 0.0) / GB, kv_bytes_per_token=float(kv_bytes_per_token),
         rollout_token_budget=budget, max_concurrent_sequences=concurrent,
         sequences_per_engine=sequences_per_engine, rollout_waves=waves, num_microbatches=microbatches,

@@ -248,6 +248,14 @@ def test_plan_memory_recipe_exit_codes(capsys):
     plan = plan_memory.plan_for_arguments(["config=quatro_7b"])
     assert figures["train_peak_allocated_gb"] == plan.train_peak_allocated_gb
     assert figures["train_phase_gb"] == pytest.approx(figures["train_peak_allocated_gb"] + figures["reserve_gb"])
+    assert figures["peak_allocated_gb"] == max(plan.train_peak_allocated_gb, plan.rollout_phase_gb - plan.reserve_gb)
+    half = plan.peak_allocated_gb / 2
+    assert plan_memory.main(["config=quatro_7b", "--json", f"--measured-peak-gb={half}"]) == 0
+    assert json.loads(capsys.readouterr().out)["measured_over_planned"] == pytest.approx(0.5)
+    assert plan_memory.main(["config=quatro_7b", f"--measured-peak-gb={half}"]) == 0
+    assert "measured / planned = 0.50" in capsys.readouterr().out
+    assert plan_memory.main(["config=quatro_7b", "--measured-peak-gb=lots"]) == 2
+    assert "--measured-peak-gb=<number>" in capsys.readouterr().err
     assert plan_memory.main(["config=quatro_7b", "cluster.gpu_memory_gb=40"]) == 2
     assert "cluster.gpu_memory_gb=40" in capsys.readouterr().err
 
