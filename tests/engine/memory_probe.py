@@ -70,7 +70,7 @@ def _training_batch(rank: int):
     }
 
 
-def _rank(rank: int, distributed_optimizer: bool, out: str) -> None:
+def _rank(rank: int, distributed_optimizer: bool, params_dtype: str, out: str) -> None:
     import torch
 
     from quatro_nemo.algos import get_algorithm
@@ -85,7 +85,8 @@ def _rank(rank: int, distributed_optimizer: bool, out: str) -> None:
     reset_peak()
     baseline_kb = memory_kb("VmRSS")
 
-    model, optimizer = build_training_state(build_model(ModelConfig(**MODEL)), distributed_optimizer)
+    model_config = ModelConfig(**dict(MODEL, params_dtype=params_dtype))
+    model, optimizer = build_training_state(build_model(model_config), distributed_optimizer)
     state_kb = memory_kb("VmRSS")
     for _ in range(STEPS):
         model.zero_grad_buffer()
@@ -96,6 +97,7 @@ def _rank(rank: int, distributed_optimizer: bool, out: str) -> None:
     gc.collect()
     result = {
         "rank": rank, "data_parallel": layout.data_parallel, "distributed_optimizer": distributed_optimizer,
+        "params_dtype": params_dtype,
         "parameters": sum(p.numel() for p in model.parameters()),
         "after_build_bytes": (state_kb - baseline_kb) * 1024,
         "resident_bytes": (memory_kb("VmRSS") - baseline_kb) * 1024,
@@ -136,18 +138,23 @@ def _loss_path(rank: int, out: str) -> None:
 
 
 def build_training_state(model, distributed_optimizer: bool):
-    """megatron-core DDP (fp32 grad buffer, no overlap) and Adam, as issue 14's engine builds them."""
-    import torch
+    """megatron-core DDP (fp32 grad buffer, no overlap) and Adam, as issue 14's engine builds them
+    (a bf16 model inside megatron's ``Float16Module``, as Megatron-LM wraps it)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
 
     _report_cuda_type_names_on_cpu()
+    config = model.config
+    if config.bf16:
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=distributed_optimizer)
-    model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, bf16=False, params_dtype=torch.float32,
-                        use_distributed_optimizer=distributed_optimizer, clip_grad=1.0),
+        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, bf16=config.bf16,
+                        params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer,
+                        clip_grad=1.0),
         [model])
     return model, optimizer
 
@@ -189,6 +196,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--distributed-optimizer", action="store_true")
+    parser.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--loss-path", action="store_true", help="measure the loss on large logits only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -198,7 +206,7 @@ def main(argv=None) -> int:
     if args.loss_path:
         run_ranks(1, _loss_path, args.out)
     else:
-        run_ranks(args.world_size, _rank, args.distributed_optimizer, args.out)
+        run_ranks(args.world_size, _rank, args.distributed_optimizer, args.params_dtype, args.out)
     return 0
 
 

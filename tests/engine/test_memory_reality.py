@@ -1,19 +1,19 @@
 """The memory planner against reality: measured peak memory of real training steps on the CPU.
 
 ``tests/engine/memory_probe.py`` runs, in a fresh process per layout, the real qwen2-style model
-(~41 M float32 parameters) under megatron-core's ``DistributedDataParallel`` (float32 gradient
-buffer) and ``get_megatron_optimizer`` (Adam), two steps of the product's loss path, and reports
-the growth of each rank's resident set and of its high-water mark. The planner's CPU flavour
-(:class:`Runtime` ``device="cpu"``: no CUDA reserve, megatron's local attention, torch's AdamW,
-gloo) must predict them.
+(~41 M parameters, float32, or bf16 inside megatron's ``Float16Module``) under megatron-core's
+``DistributedDataParallel`` (float32 gradient buffer) and ``get_megatron_optimizer`` (Adam), two
+steps of the product's loss path, and reports the growth of each rank's resident set and of its
+high-water mark. The planner's CPU flavour (:class:`Runtime` ``device="cpu"``: no CUDA reserve,
+megatron's local attention, torch's AdamW, gloo) must predict them.
 
 Tolerance: 15%. The planner counts tensors; the process also grows by what is not a tensor of
 the plan (autograd and Python objects, small blocks in glibc's arenas, gloo's buffers), measured
-at 45-50 MB here, 7-9% of the ~0.5-0.8 GB peaks. 15% covers that with room for other machines and
-still fails when a term of 4 bytes per parameter (a quarter of the 16 bytes of float32 training
-state) is missing or spurious: the gradient buffer, the optimizer's sharding, or gloo's temporary.
-The distributed optimizer's saving is checked tighter, as the difference of two runs (the
-overheads cancel).
+at 45-60 MB here, 7-9% of the ~0.7-0.9 GB peaks. 15% covers that with room for other machines and
+still fails when a term of 4 bytes per parameter is missing or spurious (a quarter of float32's 16
+bytes of training state, 22% of bf16's 18): the gradient buffer, bf16's float32 main weights, the
+optimizer's sharding, or gloo's temporary. The distributed optimizer's saving is checked tighter,
+as the difference of two runs (the overheads cancel).
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ from quatro_nemo.engine.memory_plan import (
 from quatro_nemo.megatron.parallel import standalone_environment
 from tests.engine import memory_probe
 
+pytestmark = pytest.mark.distributed  # forked ranks over gloo, in subprocesses
+
 PROBE = os.path.abspath(memory_probe.__file__)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(PROBE)))
 TOLERANCE = 0.15
@@ -54,7 +56,7 @@ def measure(out_dir, *args):
     return [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
 
 
-def probe_plan(world_size: int, distributed_optimizer: bool):
+def probe_plan(world_size: int, distributed_optimizer: bool, params_dtype: str = "float32"):
     """The planner's CPU flavour for the probe's model and batch (beta = 0: no reference)."""
     from quatro_nemo.megatron.models import ModelConfig
 
@@ -62,12 +64,14 @@ def probe_plan(world_size: int, distributed_optimizer: bool):
     work = Workload(prompts_per_step=2 * world_size, n=memory_probe.SEQUENCES // 2, max_prompt_tokens=prompt_tokens,
                     max_new_tokens=memory_probe.SEQUENCE_LENGTH - prompt_tokens,
                     micro_batch_size=memory_probe.MICRO_BATCH, uses_reference=False)
-    return plan_memory(ModelShape.from_model_config(ModelConfig(**memory_probe.MODEL)), Layout(1, 1),
+    model = ModelConfig(**dict(memory_probe.MODEL, params_dtype=params_dtype))
+    return plan_memory(ModelShape.from_model_config(model), Layout(1, 1),
                        ClusterConfig(nodes=1, gpus_per_node=world_size),
                        ScaleConfig(distributed_optimizer=distributed_optimizer), VllmConfig(), work, CPU_RUNTIME)
 
 
-LAYOUTS = {"dp1": ["--world-size", "1"], "dp2_distributed": ["--world-size", "2", "--distributed-optimizer"]}
+LAYOUTS = {"dp1": ["--world-size", "1"], "dp2_distributed": ["--world-size", "2", "--distributed-optimizer"],
+           "dp1_bf16": ["--world-size", "1", "--params-dtype", "bfloat16"]}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,15 @@ def test_plan_matches_measured_peak_data_parallel_1(measured):
     plan = probe_plan(1, distributed_optimizer=False)
     assert rank["parameters"] == plan.parameters_per_gpu
     # 16 bytes per parameter: weights 4 + DDP's float32 gradient buffer 4 + Adam's moments 8.
+    assert abs(_relative_error(rank["resident_bytes"], plan.weights_grads_optimizer_gb)) <= TOLERANCE, rank
+    assert abs(_relative_error(rank["peak_bytes"], plan.train_peak_allocated_gb)) <= TOLERANCE, (rank, plan)
+
+
+def test_plan_matches_measured_peak_bf16(measured):
+    (rank,) = measured("dp1_bf16")
+    plan = probe_plan(1, distributed_optimizer=False, params_dtype="bfloat16")
+    # 18 bytes per parameter: bf16 weights 2 + float32 gradient buffer 4 + float32 main weights 4
+    # + Adam's moments 8 (Float16Module inside DDP, megatron's Float16OptimizerWithFloat16Params).
     assert abs(_relative_error(rank["resident_bytes"], plan.weights_grads_optimizer_gb)) <= TOLERANCE, rank
     assert abs(_relative_error(rank["peak_bytes"], plan.train_peak_allocated_gb)) <= TOLERANCE, (rank, plan)
 
