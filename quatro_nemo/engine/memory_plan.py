@@ -421,10 +421,10 @@ class MemoryPlan:
     def compare_peak(self, measured_gb: float) -> str:
         """One line: a measured peak (``torch.cuda.max_memory_allocated()`` over a run, or the CPU's
         resident growth) next to :attr:`peak_allocated_gb`."""
+        rollout = max(self.rollout_phase_gb - self.reserve_gb, 0.0)
         return (f"peak memory per rank: measured {measured_gb:.2f} GB, planned {self.peak_allocated_gb:.2f} GB "
-                f"(training {self.train_peak_allocated_gb:.2f}, rollout "
-                f"{max(self.rollout_phase_gb - self.reserve_gb, 0.0):.2f}, without the {self.reserve_gb:g} GB reserve); "
-                f"measured / planned = {measured_gb / self.peak_allocated_gb:.2f}")
+                f"(training {self.train_peak_allocated_gb:.2f}, rollout {rollout:.2f}, without the "
+                f"{self.reserve_gb:g} GB reserve); measured / planned = {measured_gb / self.peak_allocated_gb:.2f}")
 
     def format(self) -> str:
         sharding = f"sharded over DP={self.data_parallel}" if self.distributed_optimizer else "not sharded"

@@ -1,6 +1,7 @@
 """Measure the host memory of real training steps, for the planner-versus-reality tests.
 
     python tests/engine/memory_probe.py --world-size 2 --distributed-optimizer --out DIR
+    python tests/engine/memory_probe.py --world-size 2 --tensor-parallel 2 --params-dtype bfloat16 --out DIR
 
 Each rank (forked, over gloo) builds the real model (``quatro_nemo.megatron.models.build_model``),
 wraps it in megatron-core's ``DistributedDataParallel`` (fp32 gradient buffer) and
@@ -70,7 +71,7 @@ def _training_batch(rank: int):
     }
 
 
-def _rank(rank: int, distributed_optimizer: bool, params_dtype: str, out: str) -> None:
+def _rank(rank: int, tensor_parallel: int, distributed_optimizer: bool, params_dtype: str, out: str) -> None:
     import torch
 
     from quatro_nemo.algos import get_algorithm
@@ -78,9 +79,9 @@ def _rank(rank: int, distributed_optimizer: bool, params_dtype: str, out: str) -
     from quatro_nemo.megatron.models import ModelConfig, build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
 
-    layout = initialize_parallel(1, 1, seed=5)
+    layout = initialize_parallel(tensor_parallel, 1, seed=5)
     algo_config = get_algorithm(LOSS).config_cls(beta=0.0)
-    batch = _training_batch(rank)
+    batch = _training_batch(layout.dp_rank)
     gc.collect()
     reset_peak()
     baseline_kb = memory_kb("VmRSS")
@@ -96,7 +97,8 @@ def _rank(rank: int, distributed_optimizer: bool, params_dtype: str, out: str) -
         optimizer.step()
     gc.collect()
     result = {
-        "rank": rank, "data_parallel": layout.data_parallel, "distributed_optimizer": distributed_optimizer,
+        "rank": rank, "tensor_parallel": layout.tensor_parallel, "data_parallel": layout.data_parallel,
+        "distributed_optimizer": distributed_optimizer,
         "params_dtype": params_dtype,
         "parameters": sum(p.numel() for p in model.parameters()),
         "after_build_bytes": (state_kb - baseline_kb) * 1024,
@@ -195,6 +197,7 @@ def _report_cuda_type_names_on_cpu() -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--distributed-optimizer", action="store_true")
     parser.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--loss-path", action="store_true", help="measure the loss on large logits only")
@@ -206,7 +209,8 @@ def main(argv=None) -> int:
     if args.loss_path:
         run_ranks(1, _loss_path, args.out)
     else:
-        run_ranks(args.world_size, _rank, args.distributed_optimizer, args.params_dtype, args.out)
+        run_ranks(args.world_size, _rank, args.tensor_parallel, args.distributed_optimizer, args.params_dtype,
+                  args.out)
     return 0
 
 
