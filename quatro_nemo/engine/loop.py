@@ -243,17 +243,22 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     # and megatron's (distributed) optimizer.
     policy = build_model(model_cfg)
     load_full_state_dict(policy, base_state)
+    # The rollout engine first: a colocated vLLM engine checks at start-up that its share of GPU
+    # memory is free, which it no longer is once gradient buffers and optimizer state exist.
+    backend = get_rollout_backend(rollout_cfg.backend, model=policy, eos_id=task.eos_id, pad_id=task.pad_id)
     policy_ddp = training.wrap_for_training(policy, distributed_optimizer=scale.distributed_optimizer)
     optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
         lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
         adam_beta2=trainer.adam_beta2, adam_eps=trainer.adam_eps, grad_clip=trainer.grad_clip))
     reference = None
     if getattr(cfg.algorithm, "beta", 0.0) > 0:
+        if not scale.reference_on_gpu:
+            raise ValueError("scale.reference_on_gpu=false is not implemented: the reference model "
+                             "lives on the run device (set it to true, or algorithm.beta=0)")
         reference = build_model(model_cfg)
         load_full_state_dict(reference, base_state)
         reference.requires_grad_(False)
     del base_state
-    backend = get_rollout_backend(rollout_cfg.backend, model=policy, eos_id=task.eos_id, pad_id=task.pad_id)
     # A colocated rollout engine needs the device memory the optimizer state and gradients hold.
     offload_in_rollout = scale.offload_optimizer_in_rollout and rollout_cfg.backend == "vllm"
 
