@@ -308,7 +308,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
 
         # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
         batch = make_batch(rollout, advantages)
-        batch["response_mask"] = batch["response_mask"] * kept_groups(shaped, cfg.algorithm)[slots].repeat_interleave(
+        batch["response_mask"] = batch["response_mask"] * kept_groups(rewards, cfg.algorithm)[slots].repeat_interleave(
             rollout_cfg.n)[:, None]
         with torch.no_grad():
             micro = micro_batch_rows(batch["tokens"].shape[0], cfg.parallel.micro_batch_size)
