@@ -25,13 +25,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import socket
 import sys
 import time
 import zlib
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -53,36 +52,11 @@ from quatro_nemo.megatron.forward import compute_logprobs, micro_batch_rows, tra
 from quatro_nemo.megatron.models import build_model
 from quatro_nemo.megatron.quiet import quiet_library_warnings
 from quatro_nemo.megatron.checkpoint import load_full_state_dict
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpoint saved, requeue me (docs/interfaces.md)
-
-
-class Preempted(RuntimeError):
-    """Raised after a SIGUSR1/SIGTERM-triggered checkpoint; the entry point exits with 75."""
-
+from quatro_nemo.megatron.preemption import Preempted, PreemptionFlag
 
 # --------------------------------------------------------------------------------------------
 # Small pieces the loop reads through
 # --------------------------------------------------------------------------------------------
-
-
-class PreemptionFlag:
-    """SIGUSR1 / SIGTERM set a flag; the loop checkpoints at the next step boundary."""
-
-    def __init__(self) -> None:
-        self.signal_name: Optional[str] = None
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-
-    def any_rank_signalled(self) -> bool:
-        """True on every rank if any rank was signalled (a collective)."""
-        flag = torch.tensor([1.0 if self.signal_name else 0.0], device=current_device())
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def step_prompt_indices(step: int, batch_size: int, dataset_size: int, seed: int) -> List[int]:
@@ -324,7 +298,9 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         advantages = advantage_out.advantages[slots].reshape(-1)
 
         # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
-        group_weights = kept_groups(shaped, cfg.algorithm)[slots].repeat_interleave(rollout_cfg.n)
+        # DAPO's dynamic sampling filters on correctness (the raw verifier rewards, Eq. 11), not on
+        # the length-shaped rewards the advantages use (Eq. 13).
+        group_weights = kept_groups(rewards, cfg.algorithm)[slots].repeat_interleave(rollout_cfg.n)
         batch = make_batch(rollout, advantages, group_weights)
         with torch.no_grad():
             micro = micro_batch_rows(batch["tokens"].shape[0], cfg.parallel.micro_batch_size)
