@@ -39,7 +39,7 @@ from quatro_nemo.engine.evaluation import evaluate_policy
 from quatro_nemo.engine.logging import MetricsLogger
 from quatro_nemo.engine.optim import build_optimizer
 from quatro_nemo.engine.report import write_report
-from quatro_nemo.engine.rollout import get_rollout_backend
+from quatro_nemo.engine.rollout import build_rollout_backend
 from quatro_nemo.engine.task import Task, build_task
 from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel
@@ -234,17 +234,18 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     base_state = task.load_base_state(model_cfg)    # full (TP=1, PP=1) state dict, same on all ranks
 
     policy = build_model(model_cfg)
-    load_full_state_dict(policy, base_state)
+    if base_state is not None:  # None: the task keeps megatron's random initialisation
+        load_full_state_dict(policy, base_state)
     reference = None
     if getattr(cfg.algorithm, "beta", 0.0) > 0:
         reference = build_model(model_cfg)
-        load_full_state_dict(reference, base_state)
+        reference.load_state_dict(policy.state_dict())  # pi_ref: the base policy
         reference.requires_grad_(False)
     optimizer, scheduled = build_optimizer(policy, trainer.lr, (trainer.adam_beta1, trainer.adam_beta2),
                                            trainer.adam_eps, trainer.weight_decay)
     warmup = max(trainer.lr_warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda s: min(1.0, (s + 1) / warmup))
-    backend = get_rollout_backend(rollout_cfg.backend, model=policy, eos_id=task.eos_id, pad_id=task.pad_id)
+    backend = build_rollout_backend(cfg, policy, model_cfg, task)
 
     # Resume.
     ckpt_layout = ckpt.layout_signature(layout)
