@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -57,6 +58,29 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def local_cuda_device(rank: int) -> int:
+    """This rank's GPU among the visible ones: ``LOCAL_RANK`` (else ``rank``) modulo the visible
+    count. All of a node's GPUs visible (one rank per GPU): the local rank's own GPU; one GPU per
+    task (SLURM ``--gpus-per-task=1`` or binding, ``CUDA_VISIBLE_DEVICES`` of one device): 0."""
+    return int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+
+
+def process_group_timeout() -> Optional[timedelta]:
+    """``QUATRO_DIST_TIMEOUT_MIN``: minutes a collective may wait before the ranks abort (a rank
+    writing a checkpoint to a slow filesystem holds the others at a barrier); slurm/lib/common.sh
+    exports 30. Unset: torch's default (10 minutes for NCCL)."""
+    minutes = os.environ.get("QUATRO_DIST_TIMEOUT_MIN")
+    if not minutes:
+        return None
+    try:
+        value = float(minutes)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise ValueError(f"QUATRO_DIST_TIMEOUT_MIN={minutes!r} must be a positive number of minutes")
+    return timedelta(minutes=value)
+
+
 def initialize_parallel(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
@@ -93,8 +117,9 @@ def initialize_parallel(
             world_size, rank = 1, 0
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
+            torch.cuda.set_device(local_cuda_device(rank))
+        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
+                                timeout=process_group_timeout())
 
     world_size = dist.get_world_size()
     if tensor_parallel < 1 or pipeline_parallel < 1:
