@@ -19,8 +19,9 @@
 # WHEEL_DIR (or $QUATRO_WHEELS), prepared where a registry is reachable:
 #     pip download --no-deps --dest wheels/ -r requirements/gpu_check.txt
 # Environment: GPU_CHECK_DIR (run directories; default runs/gpu_check-<UTC time>),
-# GPU_CHECK_BACKENDS (default "megatron vllm"), GPU_CHECK_TIMEOUT (seconds per train.py, default
-# 240), PYTHON (default: the repository's .venv, else python).
+# GPU_CHECK_BACKENDS (default "megatron vllm"), GPU_CHECK_BUDGET_S (seconds all train.py commands
+# together may take, default 540: a command is stopped when the budget is spent and the check fails),
+# PYTHON (default: the repository's .venv, else python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
@@ -76,6 +77,7 @@ stop_memory_sampler() {
 }
 trap stop_memory_sampler EXIT
 
+deadline=$((SECONDS + ${GPU_CHECK_BUDGET_S:-540}))
 backends=()
 for backend in ${GPU_CHECK_BACKENDS:-megatron vllm}; do
     if [ "$backend" = vllm ] && ! "$PYTHON" -c "import vllm" >/dev/null 2>&1; then
@@ -87,8 +89,12 @@ for backend in ${GPU_CHECK_BACKENDS:-megatron vllm}; do
     run_dir=$check_dir/$backend
     for steps in 2 3; do  # the second command resumes from the first one's checkpoint
         say "$backend: recipes/train.py config=gpu_check rollout.backend=$backend trainer.steps=$steps"
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            say "$backend: out of time (GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-540} spent)"
+            break
+        fi
         start_memory_sampler "$check_dir/$backend.steps$steps.memory"
-        if ! timeout "${GPU_CHECK_TIMEOUT:-240}" "$PYTHON" recipes/train.py config=gpu_check \
+        if ! timeout "$((deadline - SECONDS))" "$PYTHON" recipes/train.py config=gpu_check \
                 rollout.backend="$backend" run.dir="$run_dir" trainer.steps="$steps" run.progress_bar=false \
                 logging.tensorboard=false "${overrides[@]}" 2>&1 | tee -a "$check_dir/$backend.log"; then
             say "$backend: recipes/train.py trainer.steps=$steps failed (log: $check_dir/$backend.log)"

@@ -20,8 +20,8 @@ TINY_CPU = ["trainer.device=cpu", "model.vocab_size=32", "model.hidden_size=32",
             "parallel.micro_batch_size=4"]
 
 
-def gpu_check(tmp_path, pythonpath=None, backends=None):
-    env = dict(os.environ, OMP_NUM_THREADS="1", GPU_CHECK_DIR=str(tmp_path / "check"))
+def gpu_check(tmp_path, pythonpath=None, backends=None, **extra_env):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GPU_CHECK_DIR=str(tmp_path / "check"), **extra_env)
     env.pop("OUT", None)
     env.pop("PYTHONPATH", None)
     if pythonpath:
@@ -59,3 +59,11 @@ def test_gpu_check_skips_the_vllm_half_cleanly_without_vllm(tmp_path):
     assert "[gpu_check] vllm: skipped (vllm is not importable here)" in done.stdout, done.stdout + done.stderr
     assert result["skipped"] == {"vllm": "vllm is not importable"} and result["backends"] == {}
     assert done.returncode == 1 and result["failures"] == ["no backend ran"]
+
+
+@pytest.mark.slow
+def test_gpu_check_fails_when_its_time_budget_is_spent(tmp_path):
+    done, result = gpu_check(tmp_path, backends="megatron", GPU_CHECK_BUDGET_S="0")
+    assert "[gpu_check] megatron: out of time (GPU_CHECK_BUDGET_S=0 spent)" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 1 and result["failures"] == ["megatron"]
+    assert result["backends"]["megatron"]["steps"] == []
