@@ -187,7 +187,8 @@ def test_sampled_tokens_are_what_the_loss_trains_on(runs, tensor):
     for step in range(STEPS):
         requests = step_requests(run, 1 + step)
         for record in run["ranks"]:
-            (batch,) = [b for i, b in enumerate(record["batches"]) if i == step]  # one mini-batch per step
+            assert len(record["batches"]) == STEPS  # one mini-batch (optimizer step) per rollout step
+            batch = record["batches"][step]
             assert batch["tokens"].shape[0] == len(requests)
             for row, request in enumerate(requests):
                 prompt, response = request["prompt"], request["tokens"]
