@@ -55,7 +55,6 @@ class ParallelConfig:
     tensor: int = 1                 # tensor-parallel size
     pipeline: int = 1               # pipeline-parallel size (data parallel = world / (tensor*pipeline))
     micro_batch_size: int = 64      # sequences per micro-batch in forward/backward
-    timeout_minutes: float = 30.0   # collectives (and sharded checkpoint saves) may wait this long
 
 
 @dataclass
@@ -286,7 +285,6 @@ def _check_engine_sections(c: ExperimentConfig) -> None:
                        ("rollout.max_new_tokens", r.max_new_tokens), ("rollout.temperature", r.temperature),
                        ("parallel.tensor", p.tensor), ("parallel.pipeline", p.pipeline),
                        ("parallel.micro_batch_size", p.micro_batch_size),
-                       ("parallel.timeout_minutes", p.timeout_minutes),
                        ("eval.n_samples", e.n_samples), ("eval.temperature", e.temperature)]:
         _positive(key, value)
     if r.n < 2:

@@ -43,7 +43,7 @@ from quatro_nemo.engine.evaluation import evaluate_policy
 from quatro_nemo.engine.logging import MetricsLogger
 from quatro_nemo.engine.memory_plan import section_from_dict
 from quatro_nemo.engine.report import write_report
-from quatro_nemo.engine.rollout import get_rollout_backend, model_inputs
+from quatro_nemo.engine.rollout import build_rollout_backend, model_inputs
 from quatro_nemo.engine.task import Task, build_task
 from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel, training
@@ -193,8 +193,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     quiet_library_warnings()
     select_device(cfg.trainer.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    layout = parallel.initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.run.seed,
-                                          timeout_minutes=cfg.parallel.timeout_minutes)
+    layout = parallel.initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.run.seed)
     rank0 = layout.rank == 0
     run_dir = cfg.run.dir
     spec = get_algorithm(cfg.algorithm_name)
@@ -216,10 +215,12 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     # The policy (sampling and log-probs use it directly), megatron's DDP around it for training,
     # and megatron's (distributed) optimizer.
     policy = build_model(model_cfg)
-    load_full_state_dict(policy, base_state)
+    if base_state is not None:  # None: the task keeps megatron's random initialisation
+        load_full_state_dict(policy, base_state)
+    del base_state
     # The rollout engine first: a colocated vLLM engine checks at start-up that its share of GPU
     # memory is free, which it no longer is once gradient buffers and optimizer state exist.
-    backend = get_rollout_backend(rollout_cfg.backend, model=policy, eos_id=task.eos_id, pad_id=task.pad_id)
+    backend = build_rollout_backend(cfg, policy, model_cfg, task)
     policy_ddp = training.wrap_for_training(policy, distributed_optimizer=scale.distributed_optimizer)
     optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
         lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
@@ -230,9 +231,8 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
             raise ValueError("scale.reference_on_gpu=false is not implemented: the reference model "
                              "lives on the run device (set it to true, or algorithm.beta=0)")
         reference = build_model(model_cfg)
-        load_full_state_dict(reference, base_state)
+        reference.load_state_dict(policy.state_dict())  # pi_ref: the base policy
         reference.requires_grad_(False)
-    del base_state
     # A colocated rollout engine needs the device memory the optimizer state and gradients hold.
     offload_in_rollout = scale.offload_optimizer_in_rollout and rollout_cfg.backend == "vllm"
 

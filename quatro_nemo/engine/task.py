@@ -33,7 +33,8 @@ class Task:
     pad_id: int
     encode_prompt: Callable[[Dict[str, Any]], List[int]]
     decode_response: Callable[[Sequence[int]], str]
-    load_base_state: Callable[[Any], Dict[str, torch.Tensor]]   # ModelConfig -> full state dict
+    # ModelConfig -> full state dict, or None: keep the model's own (random) initialisation
+    load_base_state: Callable[[Any], Optional[Dict[str, torch.Tensor]]]
     solution_key: Optional[Callable[[Dict[str, Any], str], str]] = None
     properties: Dict[str, Any] = field(default_factory=dict)    # shown in the run report
 
@@ -100,7 +101,10 @@ def build_countdown_task(cfg) -> Task:
     heldout = countdown.generate_split(task_cfg, "heldout")
     warm_report: Dict[str, Any] = {}
 
-    def load_base_state(model_cfg) -> Dict[str, torch.Tensor]:
+    def load_base_state(model_cfg) -> Optional[Dict[str, torch.Tensor]]:
+        if not warm_cfg.enabled:  # warmstart.enabled=false: a randomly initialised base model
+            warm_report.update(enabled=False)
+            return None
         state, report = load_or_train_base_model(task_cfg, tokenizer_cfg, model_cfg, warm_cfg)
         warm_report.update(report)
         return state

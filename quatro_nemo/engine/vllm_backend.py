@@ -1,9 +1,9 @@
 """vLLM rollout backend (GPU clusters): the :class:`~quatro_nemo.engine.rollout.RolloutBackend`
 protocol, colocated with the megatron-core trainer on the same GPUs.
 
-Register it in ``quatro_nemo/engine/rollout.py``'s ``_BACKENDS`` as
-``"vllm": "quatro_nemo.engine.vllm_backend:VllmRolloutBackend"``; ``rollout.backend=vllm`` and the
-``vllm:`` config section (:class:`quatro_nemo.engine.memory_plan.VllmConfig`) select and size it.
+``rollout.backend=vllm`` selects it and the ``vllm:`` config section
+(:class:`quatro_nemo.engine.memory_plan.VllmConfig`) sizes it;
+:func:`quatro_nemo.engine.rollout.build_rollout_backend` builds it from the run's config.
 
 How it works (vLLM's documented offline API: ``LLM``, ``SamplingParams``, ``collective_rpc``,
 ``sleep``/``wake_up``):
@@ -26,14 +26,21 @@ How it works (vLLM's documented offline API: ``LLM``, ``SamplingParams``, ``coll
 - **Memory between phases** (``vllm.sleep_between_phases``): after sampling the engine sleeps at
   level 2 (KV cache and weights freed: the next push rewrites the weights anyway); before
   sampling it wakes the weights, receives the push, then wakes the KV cache.
+- **Engine start**: vLLM builds the model from a ``config.json`` written from the trainer's
+  ``ModelConfig`` with dummy weights (``load_format="dummy"``); no checkpoint is read (the first
+  push brings the weights), so a randomly initialised policy works like a pretrained one.
 
-GPU only. Constructing it without CUDA or without the ``vllm`` package raises a RuntimeError that
-says so; the CPU tests cover the pure parts (:func:`build_sample_output`, :func:`engine_slices`,
-:func:`request_seed`). Not yet run on a GPU (see ``scripts/gpu_check.sh``).
+GPU only. Without the ``vllm`` package, or where vLLM's platform is not CUDA, construction raises a
+RuntimeError that says so (:func:`require_vllm`). CPU tests: the pure parts
+(:func:`build_sample_output`, :func:`engine_slices`, :func:`request_seed`), and ``train()`` with
+vLLM replaced at its import boundary by a fake engine (``tests/engine/test_vllm_train.py``). The
+real engine runs in ``scripts/gpu_check.sh``.
 """
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -107,31 +114,54 @@ def build_sample_output(rows: Sequence[Sequence[int]], responses: Sequence[Gener
 
 
 def require_vllm():
-    """The ``vllm`` module, or a RuntimeError saying why this backend cannot run here."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("rollout.backend=vllm needs CUDA GPUs; use rollout.backend=megatron on the CPU")
+    """The ``vllm`` module, or a RuntimeError saying why this backend cannot run here.
+
+    The device check is vLLM's own (``vllm.platforms.current_platform``, the platform vLLM
+    detected and would run its kernels on), so it lives at the import boundary: whatever
+    ``vllm`` package is imported answers it. vLLM's CPU platform is refused (the colocated
+    trainer and its weight push are written for GPUs)."""
     try:
         import vllm
+        from vllm.platforms import current_platform
     except ImportError as exc:
         raise RuntimeError("rollout.backend=vllm needs the vllm package (GPU container); "
                            "or use rollout.backend=megatron") from exc
+    if not current_platform.is_cuda_alike():
+        raise RuntimeError(f"rollout.backend=vllm needs CUDA GPUs (vLLM detected the "
+                           f"{type(current_platform).__name__} platform); use rollout.backend=megatron on the CPU")
     return vllm
 
 
-class VllmRolloutBackend:
-    """Colocated vLLM sampling with weight pushes from the megatron-core model (see module doc)."""
+def write_engine_model_dir(model_config, directory: str) -> str:
+    """An HF directory holding only the ``config.json`` of ``model_config`` (Qwen2), what vLLM
+    builds its model from. The engine starts with dummy weights (``load_format="dummy"``): the
+    trainer's weights are pushed before the first rollout, so no checkpoint is read, and random
+    initialisation needs none."""
+    from quatro_nemo.megatron.hf_conversion import hf_config_from_model_config
 
-    def __init__(self, model, eos_id: int, pad_id: int, model_config, hf_checkpoint: str,
-                 vllm_config: Optional[VllmConfig] = None, max_model_len: int = 4096,
-                 vocab_size: Optional[int] = None):
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as handle:
+        json.dump(hf_config_from_model_config(model_config), handle, indent=2)
+    return directory
+
+
+class VllmRolloutBackend:
+    """Colocated vLLM sampling with weight pushes from the megatron-core model (see module doc).
+
+    ``model``: this rank's megatron-core stage; ``model_config``: its
+    :class:`~quatro_nemo.megatron.models.ModelConfig` (Qwen2: the engine's architecture, dtype,
+    vocabulary and ``max_model_len`` = ``max_position_embeddings``); ``engine``: the ``vllm:``
+    section; ``eos_id`` / ``pad_id``: the task's tokens (sampling stops at EOS).
+    """
+
+    def __init__(self, model, model_config, engine: VllmConfig, eos_id: int, pad_id: int):
         vllm = require_vllm()
         from megatron.core import parallel_state as ps
 
-        self.vllm_config = vllm_config or VllmConfig()
+        self.vllm_config = engine
         self.model, self.model_config = model, model_config
         self.eos_id, self.pad_id = eos_id, pad_id
-        self.vocab_size = vocab_size
-        tp, vllm_tp = ps.get_tensor_model_parallel_world_size(), self.vllm_config.tensor_parallel
+        tp, vllm_tp = ps.get_tensor_model_parallel_world_size(), engine.tensor_parallel
         if ps.get_pipeline_model_parallel_world_size() != 1:
             raise ValueError("rollout.backend=vllm needs parallel.pipeline=1 (engines are built from "
                              "consecutive ranks inside a tensor-parallel group)")
@@ -139,21 +169,22 @@ class VllmRolloutBackend:
             raise ValueError(f"vllm.tensor_parallel={vllm_tp} must divide parallel.tensor={tp}")
         self.engines_per_group = tp // vllm_tp
         self.engine_index = ps.get_tensor_model_parallel_rank() // vllm_tp
+        self._model_dir = tempfile.TemporaryDirectory(prefix="quatro-vllm-model-")
         # In-process engine core: the external launcher shares this process's torch.distributed.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.llm = vllm.LLM(
-            model=hf_checkpoint, tensor_parallel_size=vllm_tp,
-            distributed_executor_backend="external_launcher",
+            model=write_engine_model_dir(model_config, self._model_dir.name), load_format="dummy",
+            tensor_parallel_size=vllm_tp, distributed_executor_backend="external_launcher",
             dtype=model_config.params_dtype,
-            gpu_memory_utilization=self.vllm_config.gpu_memory_utilization,
-            enable_sleep_mode=self.vllm_config.sleep_between_phases,
-            max_model_len=max_model_len, max_num_seqs=self.vllm_config.max_num_seqs,
-            enforce_eager=self.vllm_config.enforce_eager, seed=self.vllm_config.seed,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            enable_sleep_mode=engine.sleep_between_phases,
+            max_model_len=model_config.max_position_embeddings, max_num_seqs=engine.max_num_seqs,
+            enforce_eager=engine.enforce_eager, seed=engine.seed,
             skip_tokenizer_init=True,
         )
         self._vllm = vllm
         self._asleep = False
-        self._stale = True  # push the trainer's weights before the first rollout (resume-safe)
+        self._stale = True  # push the trainer's weights before the first rollout (dummy weights, resume)
 
     # ---- phases -------------------------------------------------------------------------------
 
@@ -166,7 +197,7 @@ class VllmRolloutBackend:
         from quatro_nemo.megatron.hf_conversion import iter_megatron_to_hf
 
         # Collective over the model-parallel group; every rank feeds its own vLLM worker.
-        weights = iter_megatron_to_hf(iter_full_parameters(self.model, vocab_size=self.vocab_size),
+        weights = iter_megatron_to_hf(iter_full_parameters(self.model, vocab_size=self.model_config.vocab_size),
                                       self.model_config)
 
         def load(worker):
@@ -245,4 +276,4 @@ class VllmRolloutBackend:
 
 
 __all__ = ["GeneratedResponse", "VllmRolloutBackend", "build_sample_output", "engine_slices",
-           "request_seed", "require_vllm"]
+           "request_seed", "require_vllm", "write_engine_model_dir"]

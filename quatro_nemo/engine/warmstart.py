@@ -48,6 +48,7 @@ CACHE_FORMAT_VERSION = 1
 class WarmStartConfig:
     """Validated in ``__post_init__`` (ValueError naming the key)."""
 
+    enabled: bool = True        # false: no warm-start; the base model is megatron's random init
     steps: int = 600
     batch_size: int = 64
     learning_rate: float = 3e-3

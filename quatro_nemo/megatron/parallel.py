@@ -11,10 +11,10 @@ Layout of the ranks is megatron-core's: TP innermost, then DP, then PP
 """
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -58,12 +58,40 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def local_cuda_device(rank: int) -> int:
+    """This rank's GPU among the visible ones: ``LOCAL_RANK`` (else ``rank``) modulo the visible
+    count. All of a node's GPUs visible (one rank per GPU): the local rank's own GPU; one GPU per
+    task (SLURM ``--gpus-per-task=1`` or binding, ``CUDA_VISIBLE_DEVICES`` of one device): 0."""
+    return int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+
+
+def _timeout_minutes() -> int:
+    """The same timeout in whole minutes for megatron's own groups (its default 30 when unset)."""
+    timeout = process_group_timeout()
+    return max(1, int(timeout.total_seconds() // 60)) if timeout else 30
+
+
+def process_group_timeout() -> Optional[timedelta]:
+    """``QUATRO_DIST_TIMEOUT_MIN``: minutes a collective may wait before the ranks abort (a rank
+    writing a checkpoint to a slow filesystem holds the others at a barrier); slurm/lib/common.sh
+    exports 30. Unset: torch's default (10 minutes for NCCL)."""
+    minutes = os.environ.get("QUATRO_DIST_TIMEOUT_MIN")
+    if not minutes:
+        return None
+    try:
+        value = float(minutes)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise ValueError(f"QUATRO_DIST_TIMEOUT_MIN={minutes!r} must be a positive number of minutes")
+    return timedelta(minutes=value)
+
+
 def initialize_parallel(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
     seed: int = 1234,
     backend: Optional[str] = None,
-    timeout_minutes: float = 30.0,
 ) -> ParallelLayout:
     """Initialise torch.distributed, megatron's parallel groups and the model-parallel RNG.
 
@@ -75,9 +103,6 @@ def initialize_parallel(
             ``use_cpu_initialization`` weights agree across ranks), the TP tracker
             ``seed + 2718 + tp_rank`` (megatron's ``model_parallel_cuda_manual_seed``).
         backend: ``"gloo"`` or ``"nccl"``; default gloo without CUDA, nccl with.
-        timeout_minutes: how long a collective may wait before the process group fails it
-            (torch's default is 10 minutes; a sharded checkpoint save to a slow parallel
-            filesystem, or a long evaluation on one rank, can take longer).
 
     Returns the rank's :class:`ParallelLayout`. Raises ``ValueError`` on sizes that do not
     divide the world, naming them.
@@ -98,9 +123,9 @@ def initialize_parallel(
             world_size, rank = 1, 0
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+            torch.cuda.set_device(local_cuda_device(rank))
         dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+                                timeout=process_group_timeout())
 
     world_size = dist.get_world_size()
     if tensor_parallel < 1 or pipeline_parallel < 1:
@@ -119,7 +144,7 @@ def initialize_parallel(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
-        distributed_timeout_minutes=int(timeout_minutes),
+        distributed_timeout_minutes=_timeout_minutes(),
     )
     mcore_tp.model_parallel_cuda_manual_seed(seed)
     return parallel_layout()

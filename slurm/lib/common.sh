@@ -34,6 +34,16 @@
 #   QUATRO_RANK_EXIT_WAIT_S seconds the other ranks get after the first one exits (default: 600)
 #   QUATRO_REQUEUE_WAIT_S   seconds the batch shell waits for SLURM after `scontrol requeue` (default: 300)
 #   QUATRO_MASTER_PORT      rendezvous port (default: 20000 + 10 * (job id mod 2000) + restart mod 10)
+#   QUATRO_DIST_TIMEOUT_MIN minutes a collective may wait before the ranks abort (default: 30; torch's
+#                           own is 10, shorter than a sharded checkpoint save on a busy filesystem)
+#   QUATRO_CACHE_DIR        per-job compile caches, node-local (default: ${TMPDIR:-/tmp}/quatro-<job id>);
+#                           launch.sh puts each rank's TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR and
+#                           VLLM_CACHE_ROOT under it unless they are set
+#   NCCL_IB_TIMEOUT, NCCL_IB_RETRY_CNT   InfiniBand verbs timeout exponent and retries (defaults 22, 7:
+#                           ~17 s per attempt, for congested fabrics); NCCL_SOCKET_IFNAME, NCCL_IB_HCA
+#                           and other fabric settings pass through from the environment or template
+#   SLURM_CPUS_PER_TASK     (from #SBATCH --cpus-per-task) passed on to srun explicitly: srun of
+#                           SLURM 22.05-23.02 does not inherit it
 
 QUATRO_EXIT_REQUEUE=75            # EX_TEMPFAIL: checkpoint saved, requeue me (docs/interfaces.md)
 
@@ -142,6 +152,23 @@ quatro_export_comm_defaults() {
     # A rank that dies makes the others abort (after the collective timeout) instead of hanging.
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    # Collective timeout (read by quatro_nemo.megatron.parallel), and InfiniBand retries that ride
+    # out a congested fabric instead of failing the job.
+    export QUATRO_DIST_TIMEOUT_MIN=${QUATRO_DIST_TIMEOUT_MIN:-30}
+    export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
+    export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}
+    # Compile caches per job on node-local disk, not in a $HOME shared by every rank of every node.
+    export QUATRO_CACHE_DIR=${QUATRO_CACHE_DIR:-${TMPDIR:-/tmp}/quatro-$SLURM_JOB_ID}
+}
+
+# Sets QUATRO_SRUN_ARGS: srun's flags for the ranks (labelled output, no kill on the first exit,
+# QUATRO_RANK_EXIT_WAIT_S for the others, and the job's --cpus-per-task, which srun of SLURM
+# 22.05-23.02 does not inherit from sbatch).
+quatro_srun_args() {
+    QUATRO_SRUN_ARGS=(--label --kill-on-bad-exit=0 "--wait=${QUATRO_RANK_EXIT_WAIT_S:-600}")
+    if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+        QUATRO_SRUN_ARGS+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
+    fi
 }
 
 # Sets QUATRO_CONTAINER_ARGS (srun flags) for pyxis/enroot, or leaves it empty.
@@ -159,6 +186,7 @@ quatro_container_args() {
         "--container-image=$QUATRO_CONTAINER_IMAGE"
         "--container-mounts=$mounts"
         "--container-workdir=$PWD"
+        "--no-container-mount-home"
     )
     export QUATRO_PYTHON=${QUATRO_CONTAINER_PYTHON:-python}
 }
@@ -226,6 +254,7 @@ quatro_run_recipe() {
     quatro_export_rendezvous
     quatro_export_comm_defaults
     quatro_container_args
+    quatro_srun_args
     quatro_log "job $SLURM_JOB_ID (restart $restarts): $SLURM_NTASKS ranks on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"
     quatro_log "run dir $QUATRO_RUN_DIR"
     quatro_log "$recipe ${overrides[*]}"
@@ -237,8 +266,7 @@ quatro_run_recipe() {
     QUATRO_GOT_TERM=0
     trap 'QUATRO_GOT_USR1=1; quatro_log "USR1: ranks checkpoint and exit"; kill -USR1 "$QUATRO_SRUN_PID" 2>/dev/null || true' USR1
     trap 'QUATRO_GOT_TERM=1; quatro_log "TERM: job cancelled or preempted"' TERM
-    srun --label --kill-on-bad-exit=0 --wait="${QUATRO_RANK_EXIT_WAIT_S:-600}" \
-        "${QUATRO_CONTAINER_ARGS[@]}" \
+    srun "${QUATRO_SRUN_ARGS[@]}" "${QUATRO_CONTAINER_ARGS[@]}" \
         bash "$QUATRO_ROOT/slurm/lib/launch.sh" "$recipe" "${overrides[@]}" &
     QUATRO_SRUN_PID=$!
     # `wait` returns early when a trapped signal arrives: wait again until srun has ended,

@@ -8,7 +8,9 @@
 # `docker run IMAGE bash` still works. Under srun (one process per rank) it exports the
 # torch.distributed variables from SLURM's: RANK=SLURM_PROCID, WORLD_SIZE=SLURM_NTASKS,
 # LOCAL_RANK=SLURM_LOCALID; MASTER_ADDR and MASTER_PORT come from the batch script
-# (slurm/lib/common.sh). The repository this file lives in comes first on PYTHONPATH, so a
+# (slurm/lib/common.sh), and with QUATRO_CACHE_DIR (common.sh: per job, node-local) each rank gets
+# its own TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR and VLLM_CACHE_ROOT under
+# $QUATRO_CACHE_DIR/rank$RANK unless set. The repository this file lives in comes first on PYTHONPATH, so a
 # checkout mounted into the container runs its own code with the image's dependencies.
 # Python: $QUATRO_PYTHON, else the repository's .venv, else python3. Recipe names are looked up
 # in $QUATRO_RECIPES_DIR (default: the repository's recipes/).
@@ -41,6 +43,15 @@ if [ -n "${SLURM_STEP_ID:-}" ] && [ -n "${SLURM_PROCID:-}" ] && [ -z "${RANK:-}"
         [ -n "${MASTER_ADDR:-}" ] && [ -n "${MASTER_PORT:-}" ] \
             || die "rank $RANK of $WORLD_SIZE: MASTER_ADDR/MASTER_PORT not set (start ranks through slurm/lib/common.sh)"
     fi
+fi
+
+# Compile caches of this rank under the job's QUATRO_CACHE_DIR (common.sh), unless already set:
+# ranks never share (or race on) one cache directory, and $HOME is not written.
+if [ -n "${QUATRO_CACHE_DIR:-}" ]; then
+    rank_cache=$QUATRO_CACHE_DIR/rank${RANK:-0}
+    export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$rank_cache/triton}
+    export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$rank_cache/inductor}
+    export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$rank_cache/vllm}
 fi
 
 # One line per rank start in the run directory (common.sh sets the file): which node and pid ran

@@ -2,6 +2,9 @@
 without CUDA/vLLM, and (GPU + vLLM only) a weight-push check against megatron's own sampler."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +18,7 @@ from quatro_nemo.engine.vllm_backend import (
 )
 
 PAD = 0
+FAKE_VLLM = str(Path(__file__).resolve().parents[1] / "engine" / "fake_vllm")
 
 
 def test_build_sample_output_hand_built():
@@ -48,12 +52,24 @@ def test_request_seed_depends_only_on_seed_and_sequence():
     assert request_seed(3, 17) == request_seed(3, 17) != request_seed(4, 17)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on machines without CUDA")
-def test_refuses_cleanly_without_cuda():
-    with pytest.raises(RuntimeError, match="rollout.backend=vllm needs CUDA"):
+def test_refuses_cleanly_without_the_vllm_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
+    with pytest.raises(RuntimeError, match="needs the vllm package .* or use rollout.backend=megatron"):
         require_vllm()
-    with pytest.raises(RuntimeError, match="rollout.backend=megatron"):
-        VllmRolloutBackend(model=None, eos_id=0, pad_id=0, model_config=None, hf_checkpoint="unused")
+    with pytest.raises(RuntimeError, match="needs the vllm package"):
+        VllmRolloutBackend(model=None, model_config=None, engine=None, eos_id=0, pad_id=0)
+
+
+def test_refuses_where_vllm_detects_no_cuda(monkeypatch):
+    """The device check is vLLM's platform (the fake vLLM reporting a CPU here)."""
+    for name in ("vllm", "vllm.platforms"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(FAKE_VLLM)
+    monkeypatch.setenv("QUATRO_FAKE_VLLM_PLATFORM", "cpu")
+    with pytest.raises(RuntimeError, match="needs CUDA GPUs \\(vLLM detected the CpuPlatform platform\\)"):
+        require_vllm()
+    for name in ("vllm", "vllm.platforms"):
+        sys.modules.pop(name, None)
 
 
 def _has_vllm() -> bool:
@@ -68,7 +84,6 @@ def _has_vllm() -> bool:
 @pytest.mark.skipif(not _has_vllm(), reason="needs CUDA and vllm")
 def test_vllm_greedy_follows_pushed_megatron_weights(tmp_path, monkeypatch):
     from quatro_nemo.engine.memory_plan import VllmConfig
-    from quatro_nemo.megatron.hf_conversion import export_megatron_to_hf
     from quatro_nemo.megatron.models import ModelConfig, build_model
     from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
     from quatro_nemo.megatron.sampling import SamplingParams, generate
@@ -83,11 +98,9 @@ def test_vllm_greedy_follows_pushed_megatron_weights(tmp_path, monkeypatch):
                           num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
                           max_position_embeddings=128, params_dtype="float32", init_method_std=0.2)
         model = build_model(cfg)
-        export_megatron_to_hf(model, cfg, tmp_path / "hf")
-        backend = VllmRolloutBackend(model, eos_id=1, pad_id=0, model_config=cfg, hf_checkpoint=str(tmp_path / "hf"),
-                                     vllm_config=VllmConfig(gpu_memory_utilization=0.2, enforce_eager=True),
-                                     max_model_len=64)
-        with torch.no_grad():  # the trainer moves away from the exported weights ...
+        backend = VllmRolloutBackend(model, cfg, engine=VllmConfig(gpu_memory_utilization=0.2, enforce_eager=True),
+                                     eos_id=1, pad_id=0)
+        with torch.no_grad():  # the trainer moves away from its initial weights ...
             for param in model.parameters():
                 param.add_(0.1 * torch.randn_like(param))
         backend.update_weights()  # ... and the backend must follow

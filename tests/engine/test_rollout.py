@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +11,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 from mcore_ranks import run_ranks  # noqa: E402
 
-from quatro_nemo.engine.rollout import get_rollout_backend, global_sequence_ids, pad_to_length  # noqa: E402
+from quatro_nemo.engine.rollout import (  # noqa: E402
+    MegatronRolloutBackend,
+    build_rollout_backend,
+    global_sequence_ids,
+    pad_to_length,
+)
 from quatro_nemo.megatron.sampling import SamplingParams  # noqa: E402
 
 
@@ -21,7 +27,8 @@ def test_global_sequence_ids_by_hand():
 
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="rollout.backend='vllm-typo'"):
-        get_rollout_backend("vllm-typo")
+        build_rollout_backend(SimpleNamespace(rollout=SimpleNamespace(backend="vllm-typo")), model=None,
+                              model_config=None, task=None)
 
 
 def _rollouts(rank, out_dir):
@@ -32,7 +39,7 @@ def _rollouts(rank, out_dir):
     initialize_parallel(1, 1, seed=3)
     model = build_model(ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=4,
                                     max_position_embeddings=32, init_method_std=0.3))
-    backend = get_rollout_backend("megatron", model=model, eos_id=2, pad_id=0)
+    backend = MegatronRolloutBackend(model, eos_id=2, pad_id=0)
     prompts = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11]]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6, seed=4)
     whole = backend.generate(prompts, 3, params)

@@ -87,7 +87,8 @@ def test_training_templates_differ_only_in_size_and_config():
 # ---------------------------------------------------------------------------------------------
 
 ENV_DUMP = """import json, os, sys
-keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"]
+keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRITON_CACHE_DIR",
+        "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT"]
 print(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys},
                   "pythonpath0": os.environ["PYTHONPATH"].split(":")[0]}))
 """
@@ -100,8 +101,9 @@ def recipes_dir(tmp_path):
 
 
 def launch(recipes_dir, *args, **env):
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE",
-                                                                       "LOCAL_RANK", "MASTER_"))}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                       "MASTER_", "QUATRO_CACHE_DIR", "TRITON_",
+                                                                       "TORCHINDUCTOR_", "VLLM_"))}
     return subprocess.run(["bash", str(ROOT / "slurm/lib/launch.sh"), *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=60,
                           env={**clean, "QUATRO_RECIPES_DIR": str(recipes_dir), **env})
@@ -114,8 +116,22 @@ def test_launch_derives_ranks_from_slurm(recipes_dir):
     out = json.loads(result.stdout)
     assert out["argv"] == ["algorithm.delta=0.05"]
     assert out["env"] == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
-                          "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "21234"}
+                          "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "21234", "TRITON_CACHE_DIR": None,
+                          "TORCHINDUCTOR_CACHE_DIR": None, "VLLM_CACHE_ROOT": None}
     assert out["pythonpath0"] == str(ROOT)  # the checkout's code comes first
+
+
+def test_launch_gives_each_rank_its_own_compile_caches_under_the_job_cache(recipes_dir, tmp_path):
+    step = dict(SLURM_STEP_ID="0", SLURM_NTASKS="2", MASTER_ADDR="10.0.0.7", MASTER_PORT="21234",
+                QUATRO_CACHE_DIR=str(tmp_path / "job7"))
+    caches = [json.loads(launch(recipes_dir, "train", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                                **step).stdout)["env"] for rank in (0, 1)]
+    for rank, env in enumerate(caches):
+        assert env["TRITON_CACHE_DIR"] == f"{tmp_path}/job7/rank{rank}/triton"
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/job7/rank{rank}/inductor"
+        assert env["VLLM_CACHE_ROOT"] == f"{tmp_path}/job7/rank{rank}/vllm"
+    chosen = launch(recipes_dir, "train", SLURM_PROCID="0", SLURM_LOCALID="0", TRITON_CACHE_DIR="/fast/triton", **step)
+    assert json.loads(chosen.stdout)["env"]["TRITON_CACHE_DIR"] == "/fast/triton"  # a set value wins
 
 
 def test_launch_outside_a_job_step_leaves_ranks_alone(recipes_dir):
@@ -203,6 +219,7 @@ def test_container_flags_with_pyxis_and_refusal_without(tmp_path):
         "--container-image=/img/q.sqsh",
         "--container-mounts=/repo:/repo,/scratch/runs:/scratch/runs,/data:/data",
         f"--container-workdir={ROOT}",
+        "--no-container-mount-home",  # compile caches and configs in $HOME stay out of the job
         "python",
     ]
     refused = bash_common(snippet, env={"PATH": f"{without}:{os.environ['PATH']}"})
@@ -220,3 +237,66 @@ def test_shipped_sweep_sets_are_valid_training_configs(sweep_file):
     assert len(sets) >= 2
     for line in sets:
         load_config(line.split())  # raises ConfigError naming the key for an unknown or bad override
+
+
+def test_srun_passes_the_jobs_cpus_per_task_on():
+    """srun of SLURM 22.05-23.02 does not inherit --cpus-per-task from sbatch: common.sh passes it."""
+    snippet = 'quatro_srun_args; printf "%s\\n" "${QUATRO_SRUN_ARGS[@]}"'
+    given = bash_common(snippet, env={"SLURM_CPUS_PER_TASK": "12", "QUATRO_RANK_EXIT_WAIT_S": "90"})
+    assert given.stdout.splitlines() == ["--label", "--kill-on-bad-exit=0", "--wait=90", "--cpus-per-task=12"]
+    unset = bash_common(f"unset SLURM_CPUS_PER_TASK; {snippet}")
+    assert unset.stdout.splitlines() == ["--label", "--kill-on-bad-exit=0", "--wait=600"]
+
+
+COMM_KEYS = ["QUATRO_DIST_TIMEOUT_MIN", "NCCL_IB_TIMEOUT", "NCCL_IB_RETRY_CNT", "QUATRO_CACHE_DIR"]
+
+
+def test_comm_defaults_are_exported_and_yield_to_the_environment():
+    show = "quatro_export_comm_defaults; for k in " + " ".join(COMM_KEYS) + '; do echo "$k=${!k}"; done'
+    clean = {k: "" for k in COMM_KEYS}
+    defaults = bash_common(f"unset {' '.join(COMM_KEYS)} TMPDIR; SLURM_JOB_ID=42; {show}", env=clean)
+    assert defaults.stdout.splitlines() == ["QUATRO_DIST_TIMEOUT_MIN=30", "NCCL_IB_TIMEOUT=22", "NCCL_IB_RETRY_CNT=7",
+                                            "QUATRO_CACHE_DIR=/tmp/quatro-42"]
+    mine = {"QUATRO_DIST_TIMEOUT_MIN": "90", "NCCL_IB_TIMEOUT": "19", "NCCL_IB_RETRY_CNT": "3",
+            "QUATRO_CACHE_DIR": "/scratch/c"}
+    overridden = bash_common(f"SLURM_JOB_ID=42; {show}", env=mine)
+    assert overridden.stdout.splitlines() == [f"{k}={v}" for k, v in mine.items()]
+
+
+# ---------------------------------------------------------------------------------------------
+# quatro_nemo.megatron.parallel: which GPU a rank takes, and the collective timeout
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("local_rank, visible, expected", [
+    ("5", 8, 5),     # all of a node's GPUs visible: the local rank's own
+    ("5", 1, 0),     # one GPU per task (CUDA_VISIBLE_DEVICES of one device): that one
+    ("3", 2, 1),     # two GPUs per task, two ranks per task
+    (None, 4, 2),    # no LOCAL_RANK: the global rank (6) modulo the visible count
+])
+def test_local_cuda_device(monkeypatch, local_rank, visible, expected):
+    import torch
+
+    from quatro_nemo.megatron.parallel import local_cuda_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert local_cuda_device(rank=6) == expected
+
+
+def test_process_group_timeout_from_the_environment(monkeypatch):
+    from datetime import timedelta
+
+    from quatro_nemo.megatron.parallel import process_group_timeout
+
+    monkeypatch.delenv("QUATRO_DIST_TIMEOUT_MIN", raising=False)
+    assert process_group_timeout() is None  # torch's default
+    monkeypatch.setenv("QUATRO_DIST_TIMEOUT_MIN", "45")
+    assert process_group_timeout() == timedelta(minutes=45)
+    for bad in ("0", "-3", "ten"):
+        monkeypatch.setenv("QUATRO_DIST_TIMEOUT_MIN", bad)
+        with pytest.raises(ValueError, match=f"QUATRO_DIST_TIMEOUT_MIN='{bad}' must be a positive number"):
+            process_group_timeout()
