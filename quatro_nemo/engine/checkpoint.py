@@ -128,13 +128,20 @@ def save_checkpoint(run_dir: str, step: int, ddp_model, optimizer, common: Dict[
     torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{_rank():03d}.pt"))
     _barrier()
     if _rank() == 0:
-        _atomic_write_text(os.path.join(partial, COMPLETE), json.dumps({"step": step, "layout": layout}))
+        _atomic_write_text(os.path.join(partial, COMPLETE), json.dumps(
+            {"step": step, "layout": layout, "tied_embeddings": _tied_embeddings(ddp_model)}))
         shutil.rmtree(folder, ignore_errors=True)    # an older save of the same step
         os.replace(partial, folder)
         for old in complete_steps(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(checkpoint_dir(run_dir, old), ignore_errors=True)
     _barrier()
     return folder
+
+
+def _tied_embeddings(ddp_model) -> bool:
+    from quatro_nemo.megatron.checkpoint import model_chunks
+
+    return bool(getattr(model_chunks(ddp_model)[0], "share_embeddings_and_output_weights", False))
 
 
 def saved_layout(run_dir: str, step: int) -> Dict[str, int]:
@@ -146,6 +153,14 @@ def load_checkpoint(run_dir: str, step: int, ddp_model, optimizer, layout: Dict[
     """Load ``step`` into the model and optimizer of the current layout (collective) and return
     ``common``. RNG states are restored when the layout is the one that saved (module docstring)."""
     folder = checkpoint_dir(run_dir, step)
+    with open(os.path.join(folder, COMPLETE)) as f:
+        saved = json.load(f)
+    if saved["layout"]["pipeline"] > 1 and saved.get("tied_embeddings", True):
+        raise ValueError(
+            f"{folder} was saved at parallel.pipeline={saved['layout']['pipeline']} with tied embeddings: "
+            "with megatron-core 0.16.1 such a checkpoint reloads a wrong embedding matrix after a "
+            "training step (docs/cluster.md, 'Known limits'); train tied-embedding models at "
+            "parallel.pipeline=1, or untie them (model.tie_embeddings=false)")
     common = dist_checkpoint.load_sharded(os.path.join(folder, SHARDS), ddp_model, optimizer)
     if saved_layout(run_dir, step) == layout:
         set_rng_state(torch.load(os.path.join(folder, "rng", f"rank_{_rank():03d}.pt"), weights_only=False))
