@@ -58,7 +58,7 @@ _LIBRARY_LOOKUP_PATHS = ("/etc/ld.so.cache", "/etc/alternatives")
 # may not read makes the kernel mark it non-dumpable (fs/exec.c would_dump), so the program,
 # though it has the same uid, can neither ptrace PID 1 nor open its /proc/1/{mem,fd,environ}.
 _PID1_SHELL = '"$@"; exit $?'
-_PID1_PATH = "/init"
+PID1_PATH = "/init"
 
 # Status of one execution, from the caller's point of view.
 STATUS_OK = "ok"                          # exited with code 0
@@ -200,7 +200,7 @@ class Sandbox:
                  "--size", str(cfg.shm_bytes), "--tmpfs", "/dev/shm",
                  "--size", str(cfg.scratch_bytes), "--tmpfs", "/sandbox",
                  "--ro-bind", code_dir, "/code",
-                 "--ro-bind", self._init_path, _PID1_PATH,
+                 "--ro-bind", self._init_path, PID1_PATH,
                  "--remount-ro", "/dev", "--remount-ro", "/",
                  "--chdir", "/sandbox", "--"]
         return args
@@ -268,7 +268,7 @@ class Sandbox:
             os.write(seccomp_write, self._seccomp_filter)  # < 1 KiB: fits the pipe buffer
             os.close(seccomp_write)
             command = (self._bwrap_args(code_dir, seccomp_read, info_write)
-                       + [_PID1_PATH, "-c", _PID1_SHELL, "sh"] + self._limit_args(cpu_time_s)
+                       + [PID1_PATH, "-c", _PID1_SHELL, "sh"] + self._limit_args(cpu_time_s)
                        + [self.config.python_executable, "-I", "-B", "/code/program.py"] + list(argv))
             start = time.monotonic()
             # user/group/extra_groups are applied by _posixsubprocess in C between fork and
