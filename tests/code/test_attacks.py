@@ -97,6 +97,7 @@ def test_teardown_does_not_need_the_parent_death_signal(sandbox, monkeypatch):
                "time.sleep(60)\n")
     result = weakened.run(program, argv=[marker], timeout_s=1.5)
     assert result.status == STATUS_TIMEOUT
+    assert result.wall_s < 1.5 + 5.0                   # killed on time, not when the program ended
     assert_no_survivors(marker, grace_s=0.0)
 
 
