@@ -3,7 +3,7 @@ run inside the sandbox next to, but out of reach of, the program under test.
 
     python3 -I -B /code/judge.py    # stdin: the tests (JSON), stdout: one verdict line per case
 
-The judge and the program are two interpreters. The judge runs the test code (prelude, setup,
+The judge and the program are two processes. The judge runs the test code (prelude, setup,
 cases) in its own namespace; every name the tests call that the program is to provide (the entry
 point, and any other name the tests use but do not define) is a proxy that sends the call's
 arguments as plain data to the program's process (function_runner.py) and turns the reply back
@@ -11,12 +11,12 @@ into plain data (quatro_nemo/rewards/plain_data.py). So the assertions compare v
 judge's own builtins built, with the judge's own ``==``; the program never holds the tests, the
 expected values or the verdict channel:
 
-- the tests arrive on the judge's stdin, which it reads to the end and closes before the
-  program starts; the verdicts leave on its stdout, which the program does not inherit (the
-  program's stdin/stdout are pipes to the judge, its stderr the judge's stderr);
-- the judge makes itself non-dumpable (prctl PR_SET_DUMPABLE 0) before reading anything, so
-  the program, with the same uid, cannot open /proc/<judge>/{mem,fd,environ}, nor ptrace it
-  (which the sandbox's seccomp filter denies anyway);
+- the judge forks the program's process first, then reads the tests from its stdin; the child
+  replaces its stdin and stdout with pipes to the judge before running the program, so it holds
+  neither the tests nor the verdict channel (the judge's stdout);
+- the judge makes itself non-dumpable (prctl PR_SET_DUMPABLE 0) before anything else, so the
+  program, with the same uid, cannot open /proc/<judge>/{mem,fd,environ}, nor ptrace it (which
+  the sandbox's seccomp filter denies anyway);
 - the program can kill the judge or stall it; then verdicts are missing and the case fails.
 
 Verdict lines: ``{"case": i, "status": s}`` with s one of "passed", "wrong_answer" (the test
@@ -36,7 +36,6 @@ sys.path.insert(0, "/code")
 import plain_data  # noqa: E402  (lives next to this file in /code)
 
 _PR_SET_DUMPABLE = 4
-_RUNNER = ["/code/function_runner.py"]
 
 
 class CandidateRaised(BaseException):
@@ -57,38 +56,41 @@ def _make_undumpable() -> None:
         raise SystemExit(f"judge: prctl(PR_SET_DUMPABLE, 0) failed (errno {ctypes.get_errno()})")
 
 
-def _close_inherited_fds() -> None:
-    """Nothing the judge inherited (the verdict channel included) may reach the program."""
-    for entry in os.listdir("/proc/self/fd"):
-        if int(entry) > 2:
-            try:
-                os.set_inheritable(int(entry), False)
-            except OSError:
-                pass
-
-
 class Program:
-    """The program's process (function_runner.py), started on the first call."""
+    """The program's process: forked from the judge before the judge reads the tests, so the
+    copy of the judge's memory it starts with holds none of them; it replaces its stdin and
+    stdout (the tests, the verdict channel) with pipes, closes every other descriptor, and runs
+    function_runner.py (one Python start saved per run compared with exec-ing a new
+    interpreter)."""
 
     def __init__(self):
-        self.pid = None
-        self.load_failure = None           # {"status": ..., ...} once loading failed
-
-    def _start(self) -> None:
         to_program, self._requests = os.pipe()
         self._replies, from_program = os.pipe()
-        actions = [(os.POSIX_SPAWN_DUP2, to_program, 0), (os.POSIX_SPAWN_DUP2, from_program, 1)]
-        self.pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-B"] + _RUNNER,
-                                  {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, file_actions=actions)
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                os.dup2(to_program, 0)
+                os.dup2(from_program, 1)
+                os.closerange(3, 1 << 20)
+                import function_runner
+                function_runner.main()
+            finally:
+                os._exit(0)
         os.close(to_program)
         os.close(from_program)
         self._reader = os.fdopen(self._replies, "r", encoding="utf-8")
+        self.loaded = False
+        self.load_failure = None           # {"status": ..., ...} once loading failed
+
+    def _wait_until_loaded(self) -> None:
         try:
             first = self._read()
         except ProgramEnded:
             self.load_failure = dict(status="no_result", **self.stop())
             return
-        if first != ["loaded"]:
+        if first == ["loaded"]:
+            self.loaded = True
+        else:
             self.load_failure = {"status": "error", "detail": repr(first)[:200]}
 
     def _read(self):
@@ -104,8 +106,8 @@ class Program:
         return reply
 
     def call(self, name, args, kwargs):
-        if self.pid is None and self.load_failure is None:
-            self._start()
+        if not self.loaded and self.load_failure is None:
+            self._wait_until_loaded()
         if self.load_failure is not None:
             raise LoadFailed()
         try:
@@ -185,19 +187,18 @@ def _run_case(index, case, namespace, program) -> dict:
 
 def main() -> None:
     _make_undumpable()
+    program = Program()                    # before the tests are read: see Program
     tests = json.loads(sys.stdin.read())
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)                       # the tests' text is gone from fd 0
     os.close(null)
     verdicts = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)                          # the tests' own prints go to stderr
-    _close_inherited_fds()
     if hasattr(sys, "set_int_max_str_digits"):
         sys.set_int_max_str_digits(0)
     namespace = {"__name__": "__main__"}
     for source in (tests.get("prelude", ""), tests.get("setup", "")):
         exec(compile(source, "<tests>", "exec"), namespace)
-    program = Program()
     _bind_names(_names_to_provide(tests["cases"], namespace, tests.get("entry_point")), namespace, program)
     for index, case in enumerate(tests["cases"]):
         verdict = dict(case=index, **_run_case(index, case, namespace, program))

@@ -264,6 +264,7 @@ class Sandbox:
         Returns (bwrap's return code, timed out, CPU seconds of the whole tree, wall seconds)."""
         seccomp_read, seccomp_write = os.pipe()
         info_read, info_write = os.pipe()
+        pid1 = None
         try:
             os.write(seccomp_write, self._seccomp_filter)  # < 1 KiB: fits the pipe buffer
             os.close(seccomp_write)
@@ -295,11 +296,9 @@ class Sandbox:
             proc.returncode = os.waitstatus_to_exitcode(wait_status)
             wall_s = time.monotonic() - start
         finally:
-            for fd in (seccomp_read, info_read, info_write):
+            for fd in (seccomp_read, info_read, info_write, pid1):
                 if fd is not None:
                     os.close(fd)
-            if "pid1" in locals() and pid1 is not None:
-                os.close(pid1)
         return proc.returncode, timed_out, usage.ru_utime + usage.ru_stime, wall_s
 
 
