@@ -25,7 +25,6 @@ program's process ended without replying); the latter adds "signal", "exit_code"
 judge stops after a case whose program process ended, or at the first failure when asked.
 Standard library only (plus what the tests import): this file is copied into the sandbox.
 """
-import ast
 import builtins
 import ctypes
 import json
@@ -145,35 +144,46 @@ def _proxy(program, name):
     return call_program
 
 
-def _names_to_provide(sources, namespace, entry_point):
-    """Names the tests read but never bind: the program's (stdlib modules are imported)."""
-    loaded, bound = set(), set()
-    for source in sources:
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Name):
-                (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                bound.add(node.name)
-            elif isinstance(node, ast.arg):
-                bound.add(node.arg)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
-    free = loaded - bound - set(namespace) - set(dir(builtins))
+def _global_names(code) -> set:
+    """Every global (or attribute) name a compiled test refers to, nested functions included.
+    A superset of the names it reads without binding: binding a proxy or a module to one it
+    binds itself, or to an attribute name, is harmless (the test's own binding wins)."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if hasattr(constant, "co_names"):
+            names |= _global_names(constant)
+    return names
+
+
+def _names_to_provide(codes, namespace, entry_point):
+    """Names the tests may read that neither the judge's namespace nor builtins define: the
+    program's (stdlib modules are imported instead). (The code objects' names, not an ``ast``
+    walk: importing ast costs more than the rest of the judge.)"""
+    free = set().union(*map(_global_names, codes)) - set(namespace) - set(dir(builtins))
     return ({entry_point} if entry_point else set()) | free
+
+
+class _StdlibModule:
+    """A standard module the tests use without importing it (HumanEval's and MBPP's tests may
+    rely on the program's ``import math``), imported at its first attribute access: binding
+    every attribute-like name to an imported module would import needlessly."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attribute):
+        return getattr(__import__(self._name), attribute)
 
 
 def _bind_names(names, namespace, program) -> None:
     stdlib = getattr(sys, "stdlib_module_names", ())
-    for name in sorted(names):
-        if name in stdlib and name not in namespace:
-            namespace[name] = __import__(name)
-        else:
-            namespace[name] = _proxy(program, name)
+    for name in names:
+        namespace[name] = _StdlibModule(name) if name in stdlib else _proxy(program, name)
 
 
-def _run_case(index, case, namespace, program) -> dict:
+def _run_case(code, namespace, program) -> dict:
     try:
-        exec(compile(case, f"<case {index}>", "exec"), namespace)
+        exec(code, namespace)
         return {"status": "passed"}
     except CandidateRaised:
         return {"status": "error"}
@@ -199,9 +209,10 @@ def main() -> None:
     namespace = {"__name__": "__main__"}
     for source in (tests.get("prelude", ""), tests.get("setup", "")):
         exec(compile(source, "<tests>", "exec"), namespace)
-    _bind_names(_names_to_provide(tests["cases"], namespace, tests.get("entry_point")), namespace, program)
-    for index, case in enumerate(tests["cases"]):
-        verdict = dict(case=index, **_run_case(index, case, namespace, program))
+    codes = [compile(case, f"<case {index}>", "exec") for index, case in enumerate(tests["cases"])]
+    _bind_names(_names_to_provide(codes, namespace, tests.get("entry_point")), namespace, program)
+    for index, code in enumerate(codes):
+        verdict = dict(case=index, **_run_case(code, namespace, program))
         verdicts.write(json.dumps(verdict) + "\n")
         verdicts.flush()
         ended = verdict["status"] == "no_result" and program.load_failure is None
