@@ -10,8 +10,8 @@ Five classes (issue 17), applied to every benchmark format they apply to:
 - ``harness``: redefining the harness's own functions (``_apps_check``, the harness module's
   ``compile``/``exec``);
 - ``read``: finding the tests or the verdict token anywhere the program can read (files in
-  /code, every /proc/<pid>/fd/*, the memory of every other process, the harness's globals) and
-  answering from them.
+  /code, every /proc/<pid>/fd/*, the memory of every other process, the objects of its own
+  interpreter, the harness's globals) and answering from them.
 Formats: the fixture problems of tests/fixtures/code/hub_rows.json (APPS stdin/stdout row 0 and
 call-based row 1 "runningSum", HumanEval "count_vowels", HumanEval+ "mean_or_zero", MBPP
 "second_largest", MBPP+ "reverse_text").
@@ -146,19 +146,13 @@ def _embedded_json(text):
             pass
 '''
 
-READ_ANSWER_KEY = _READ_EVERYTHING + '''
-def _sources():
-    for text in _readable_texts():
-        yield text
-        yield from re.findall(r"(?<=[\\n ])assert [^\\n\\x00]*", text)   # single asserts, e.g. in memory
-        for payload in _embedded_json(text):
-            if isinstance(payload, dict):
-                for part in [payload.get("setup", "")] + list(payload.get("cases", [])):
-                    yield part if isinstance(part, str) else ""
+_ANSWER_KEY = '''
+import ast, gc, re
 
-def _answer_key():
+def _answer_key(texts):
+    """{repr(arguments): expected} from every test text it can parse."""
     key = {}
-    for text in _sources():
+    for text in texts:
         try:
             tree = ast.parse(text)
         except (SyntaxError, ValueError):
@@ -182,9 +176,30 @@ KEY = {}
 
 def {fn}(*args, **kwargs):
     if not KEY:                            # at the first call the tests are surely loaded
-        KEY.update(_answer_key())
+        KEY.update(_answer_key(_sources()))
     return KEY.get(repr(list(args)))
 '''
+
+READ_ANSWER_KEY = _READ_EVERYTHING + '''
+def _sources():
+    for text in _readable_texts():
+        yield text
+        yield from re.findall(r"(?<=[\\n ])assert [^\\n\\x00]*", text)   # single asserts, e.g. in memory
+        for payload in _embedded_json(text):
+            if isinstance(payload, dict):
+                for part in [payload.get("setup", "")] + list(payload.get("cases", [])):
+                    yield part if isinstance(part, str) else ""
+''' + _ANSWER_KEY
+
+# Its own interpreter's objects: whatever a harness left in the process the program runs in.
+READ_OWN_MEMORY = '''
+def _sources():
+    for obj in gc.get_objects():
+        values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+        for value in list(values):
+            if isinstance(value, str) and "assert" in value:
+                yield value
+''' + _ANSWER_KEY
 
 # The old harness printed a random token after the last test; the program prints it first.
 READ_TOKEN = _READ_EVERYTHING + '''
@@ -237,6 +252,7 @@ ATTACKS = {
     "harness_apps_check": ("harness", HARNESS_APPS_CHECK, ("apps_call",)),
     "read_answer_key": ("read", READ_ANSWER_KEY, FUNCTION_FORMATS),
     "read_token": ("read", READ_TOKEN, ("apps_call", "humaneval", "mbpp")),
+    "read_own_memory": ("read", READ_OWN_MEMORY, ("humaneval", "mbpp")),
 }
 
 
