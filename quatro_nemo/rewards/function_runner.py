@@ -12,8 +12,8 @@ line is ``["loaded"]`` or ``["load_failed", "ExceptionName"]`` (setup, then the 
 namespace named ``__main__``, as in HumanEval's harness). The program itself sees stdin as
 /dev/null and its stdout goes to stderr, so its own prints cannot garble the replies.
 
-``name`` is a global function of the program, else a method of a fresh ``Solution()`` (APPS's
-LeetCode-style problems, hendrycks/apps eval/testing_util.py).
+``name`` is a method of a fresh ``Solution()`` when the program defines that class with it
+(APPS's LeetCode-style problems, hendrycks/apps eval/testing_util.py), else a global function.
 """
 import os
 import sys
@@ -35,12 +35,12 @@ def _reply(stream, message) -> None:
 
 
 def _resolve(namespace, name):
+    solution = namespace.get("Solution")
+    if isinstance(solution, type) and hasattr(solution, name):
+        return getattr(solution(), name)    # APPS's order: the LeetCode-style class first
     function = namespace.get(name)
     if callable(function):
         return function
-    solution = namespace.get("Solution")
-    if isinstance(solution, type):
-        return getattr(solution(), name)
     raise NameError(f"the program defines no function {name!r}")
 
 
