@@ -1,9 +1,10 @@
 """Adversarial suite of issue 17: programs that try to forge a reward, outlive their limits, grow
 the host's memory, or read the trainer's secrets, each asserting the promise it attacks.
 
-The forgery programs (attacks.py) each score 1.0 against the harness of commit 5ddab4b, where
-the tests ran in the program's interpreter; the other attacks each fail when the protection
-named above them is removed (docs/sandbox.md lists the mutations that were run).
+The forgery programs (attacks.py) score 1.0 against the harness of commit 5ddab4b, where the
+tests ran in the program's interpreter (all but the stdin/stdout scan, whose verdict was already
+computed outside); the other attacks each fail when the protection named above them is removed
+(docs/sandbox.md lists the mutations that were run).
 """
 import ctypes
 import dataclasses
