@@ -4,7 +4,6 @@ and the TEST-NET-1 address 192.0.2.1 (RFC 5737), whose connect must fail before 
 """
 import errno
 import hashlib
-import json
 import os
 import signal
 import socket
