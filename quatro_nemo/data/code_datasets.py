@@ -14,9 +14,10 @@ et al. 2021, ``openai/openai_humaneval``), HumanEval+ and MBPP+ (EvalPlus, Liu e
 
 Test forms (graded by quatro_nemo.rewards.code.CodeVerifier):
 - APPS stdin/stdout problems -> ``{"kind": "stdio", "cases": [{"input", "output"}]}``.
-- APPS call-based problems (``fn_name``, LeetCode-style ``class Solution``) -> function cases
-  calling ``_apps_check``; its comparison is APPS's ``eval/testing_util.py`` rule: the return
-  value (tuples as lists) equals the expected value or, for a list, its first element.
+- APPS call-based problems (``fn_name``, LeetCode-style ``class Solution``) ->
+  ``{"kind": "call", "fn_name", "cases": [{"args", "expected"}]}``: the arguments go to the
+  program, the expected values stay with the trainer, which applies APPS's
+  ``eval/testing_util.py`` rule (quatro_nemo.rewards.code.call_output_matches).
 - HumanEval(+) -> one case: the dataset's ``check(candidate)`` program plus ``check(entry_point)``.
 - MBPP -> one case per assert of ``test_list`` (setup: ``test_setup_code``).
 - MBPP+ -> one case: the dataset's ``test`` program (setup: ``test_imports``).
@@ -36,20 +37,6 @@ CODE_SYSTEM = "You are a helpful programming assistant."
 STDIO_INSTRUCTION = ("Write a complete Python 3 program that reads from standard input and writes to "
                      "standard output. Put the program in one ```python code block.")
 FUNCTION_INSTRUCTION = "Write the Python 3 function. Put the code in one ```python code block."
-
-# Defined before the program in every APPS call-based run (hendrycks/apps eval/testing_util.py).
-APPS_CALL_SETUP = """\
-def _apps_check(fn_name, args, expected):
-    if "Solution" in globals():
-        fn = getattr(globals()["Solution"](), fn_name)
-    else:
-        fn = globals()[fn_name]
-    out = fn(*args)
-    if isinstance(out, tuple):
-        out = list(out)
-    assert out == expected or (isinstance(expected, list) and len(expected) > 0 and out == expected[0])
-"""
-
 
 def qwen_code_prompt(question: str, instruction: str) -> str:
     """ChatML prompt (Qwen2.5-Coder's chat format), ending where the assistant's answer starts."""
@@ -100,9 +87,8 @@ def convert_apps_row(row: Dict[str, Any], index: int) -> Optional[Dict[str, Any]
     starter = row.get("starter_code") or ""
     fn_name = io.get("fn_name")
     if fn_name:
-        tests = {"kind": "function", "setup": APPS_CALL_SETUP,
-                 "cases": [f"_apps_check({fn_name!r}, {inp!r}, {out!r})"
-                           for inp, out in zip(io["inputs"], io["outputs"])]}
+        tests = {"kind": "call", "fn_name": fn_name,
+                 "cases": [{"args": inp, "expected": out} for inp, out in zip(io["inputs"], io["outputs"])]}
         prompt_text = f"{question.strip()}\n\nStarter code:\n```python\n{starter.rstrip()}\n```" if starter else question
         instruction = FUNCTION_INSTRUCTION
     else:

@@ -1,18 +1,26 @@
 """Code rewards: run a response's program against a problem's tests in the sandbox.
 
 A code problem (JSONL schema, see quatro_nemo/data/code_datasets.py) carries ``"tests"`` in one
-of two forms:
+of three forms. In all three the verdict is computed where the program cannot reach it
+(docs/sandbox.md, "Trust boundary"), and expected values never enter the program's process:
 
 - stdin/stdout (APPS): ``{"kind": "stdio", "cases": [{"input": str, "output": str}, ...]}``.
-  The program runs once per case with the input on stdin; its stdout is compared **outside** the
-  sandbox with the APPS checker's rules (exact after trimming trailing whitespace, else the same
-  whitespace-separated tokens, else equal numbers within 1e-6: hendrycks/apps,
-  ``eval/testing_util.py``). Expected outputs never enter the sandbox.
-- function (HumanEval(+), MBPP(+), APPS call-based): ``{"kind": "function", "setup": str,
-  "cases": [str, ...]}``; each case is Python (asserts, or a ``check(candidate)`` call) run after
-  the program in the same interpreter, one sandboxed run per case. A case passes when the
-  harness reaches its end and prints a per-run random token as the last line, so a program that
-  exits early (``sys.exit(0)``, ``os._exit(0)``) fails.
+  One sandboxed run per case with the input on stdin; its stdout is compared here, in the
+  trainer, by ``stdio_output_matches``.
+- call (APPS call-based): ``{"kind": "call", "fn_name": str, "cases": [{"args": [...],
+  "expected": value}, ...]}``. One run calls the function (or ``Solution().fn_name``) on every
+  case's arguments (function_runner.py) and writes each result as plain data
+  (plain_data.py); the trainer decodes them into builtins and compares with APPS's rule.
+- function (HumanEval(+), MBPP(+)): ``{"kind": "function", "setup": str, "cases": [str, ...]}``;
+  each case is assertion code (asserts, or a ``check(candidate)`` call). A trusted judge
+  (judge.py) runs setup and cases in its own interpreter inside the sandbox; calls to the
+  program's functions go to the program's process as plain data and come back as plain data.
+  The problem's ``code_prompt`` (HumanEval's helpers, e.g. ``poly``) is run in the judge too.
+
+The cases of one response share one run (and one program process) for "call" and "function";
+that run's wall and CPU limits are the configured ones times its number of cases. When the
+program's process ends or is killed at case k, case k gets that status and, in "fraction" mode,
+cases after k run in a fresh sandbox.
 
 Reward (``score_batch``): ``"pass"`` gives 1.0 when every case passes, else 0.0 (the paper's
 Pass@k grading; stops at the first failing case); ``"fraction"`` gives the fraction of cases
@@ -22,14 +30,16 @@ threads only wait on child processes, and the trainer is never forked (safe with
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
-import secrets
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from typing import Any, Dict, List, Optional, Sequence
 
-from quatro_nemo.rewards.sandbox import Sandbox, SandboxConfig
+from quatro_nemo.rewards import plain_data
+from quatro_nemo.rewards.sandbox import STATUS_CPU_LIMIT, ExecutionResult, Sandbox, SandboxConfig, killed_by_cpu_limit
 
 REWARD_MODES = ("pass", "fraction")
 
@@ -58,43 +68,58 @@ def _lines(text: str) -> List[str]:
     return lines
 
 
-def _numbers_close(a: str, b: str, tol: float = 1e-6) -> bool:
-    try:
-        x, y = float(a), float(b)
-    except ValueError:
-        return False
-    return math.isclose(x, y, rel_tol=tol, abs_tol=tol)
+# Decimal numbers as a C or Python program prints them, nothing else: no `1_000`, `inf`, `nan`,
+# hexadecimal or surrounding spaces (all of which Python's int()/float() would accept).
+_INTEGER_RE = re.compile(r"[+-]?[0-9]+\Z")
+_DECIMAL_RE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\Z")
+
+
+def _tokens_equal(actual: str, expected: str, tol: float = 1e-6) -> bool:
+    """One token: equal text; else, when both are integers, equal values (exactly); else, when
+    the expected token is a decimal fraction (has a point or an exponent), numbers within `tol`
+    (relative or absolute). An integer answer never gets a tolerance."""
+    if actual == expected:
+        return True
+    if _INTEGER_RE.match(expected):
+        return _INTEGER_RE.match(actual) is not None and int(actual) == int(expected)
+    if _DECIMAL_RE.match(expected) and _DECIMAL_RE.match(actual):
+        return math.isclose(float(actual), float(expected), rel_tol=tol, abs_tol=tol)
+    return False
 
 
 def stdio_output_matches(actual: str, expected: str) -> bool:
     """APPS-style comparison (hendrycks/apps eval/testing_util.py, simplified to its three
     accepting rules): same lines after trimming trailing whitespace and trailing blank lines;
-    else the same whitespace-separated tokens; else same token count with every token equal or
-    both numbers within 1e-6 (relative or absolute)."""
+    else the same whitespace-separated tokens; else same token count with every token equal by
+    ``_tokens_equal`` (integers exactly, decimal fractions within 1e-6)."""
     if _lines(actual) == _lines(expected):
         return True
     got, want = actual.split(), expected.split()
     if got == want:
         return True
-    return len(got) == len(want) and all(g == w or _numbers_close(g, w) for g, w in zip(got, want))
+    return len(got) == len(want) and all(_tokens_equal(g, w) for g, w in zip(got, want))
 
 
-# -- function-style harness ----------------------------------------------------------------------
-# Trusted code that runs inside the sandbox: reads the run token from stdin (so the program
-# cannot read it from there), runs setup, program and test case in one namespace, then prints
-# the token. Any exception, SystemExit or os._exit before the end leaves the token unprinted.
-_FUNCTION_HARNESS = """\
-import sys
-_token = sys.stdin.readline().strip()
-sys.stdin.close()
-_namespace = {"__name__": "__main__"}
-for _name in ("setup.py", "solution.py", "case.py"):
-    with open("/code/" + _name, encoding="utf-8") as _f:
-        _source = _f.read()
-    exec(compile(_source, _name, "exec"), _namespace)
-sys.stdout.flush()
-sys.stdout.write("\\n" + _token + "\\n")
-"""
+def call_output_matches(output: Any, expected: Any) -> bool:
+    """APPS's call-based rule (hendrycks/apps eval/testing_util.py): the return value, a tuple
+    read as a list, equals the expected value or, for a non-empty expected list, its first
+    element. Both sides are plain builtins (plain_data.decode), so ``==`` is Python's own."""
+    if type(output) is tuple:
+        output = list(output)
+    return output == expected or (type(expected) is list and len(expected) > 0 and output == expected[0])
+
+
+# -- what runs in the sandbox ---------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def _harness_source(name: str) -> str:
+    """Source of a module of this package that runs inside the sandbox (judge, runner, codec)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name), encoding="utf-8") as f:
+        return f.read()
+
+
+def _sandbox_files(program: str, setup: str = "") -> Dict[str, str]:
+    return {"solution.py": program, "setup.py": setup, "plain_data.py": _harness_source("plain_data.py"),
+            "function_runner.py": _harness_source("function_runner.py")}
 
 
 @dataclasses.dataclass
@@ -103,7 +128,7 @@ class CodeGrade:
 
     passed: int                       # cases passed
     total: int                        # cases in the problem
-    statuses: List[str]               # sandbox status (or "wrong_answer") of each case run
+    statuses: List[str]               # "passed", "wrong_answer", "error", "no_result", or a sandbox status
     ran_all: bool                     # False when grading stopped at the first failure
 
     @property
@@ -118,10 +143,16 @@ class CodeGrade:
 def _problem_tests(problem: Dict[str, Any]) -> Dict[str, Any]:
     tests = problem.get("tests")
     where = f"problem {problem.get('id', '?')!r}"
-    if not isinstance(tests, dict) or tests.get("kind") not in ("stdio", "function"):
-        raise ValueError(f"{where}: 'tests' must be a dict with kind 'stdio' or 'function', got {tests!r:.200}")
+    if not isinstance(tests, dict) or tests.get("kind") not in ("stdio", "function", "call"):
+        raise ValueError(f"{where}: 'tests' must be a dict with kind 'stdio', 'function' or 'call', "
+                         f"got {tests!r:.200}")
     if not isinstance(tests.get("cases"), list) or not tests["cases"]:
         raise ValueError(f"{where}: 'tests.cases' must be a non-empty list")
+    if tests["kind"] == "call":
+        if not isinstance(tests.get("fn_name"), str):
+            raise ValueError(f"{where}: 'tests.fn_name' must be the function's name")
+        if not all(isinstance(c, dict) and isinstance(c.get("args"), list) and "expected" in c for c in tests["cases"]):
+            raise ValueError(f"{where}: each of 'tests.cases' must be {{'args': [...], 'expected': ...}}")
     return tests
 
 
@@ -135,6 +166,11 @@ def build_program(problem: Dict[str, Any], response: str) -> str:
     if entry_point and prefix and not re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.M):
         code = prefix + code
     return code
+
+
+def _ended_status(result: ExecutionResult) -> str:
+    """Status of a case during which the program's run ended without a verdict for it."""
+    return "no_result" if result.ok else result.status
 
 
 class CodeVerifier:
@@ -168,16 +204,24 @@ class CodeVerifier:
         program = build_program(problem, response)
         cases = tests["cases"]
         statuses: List[str] = []
-        for case in cases:
+        while len(statuses) < len(cases):
+            first = len(statuses)
             if tests["kind"] == "stdio":
-                status = self._run_stdio_case(program, case)
+                batch = [self._run_stdio_case(program, cases[first])]
+            elif tests["kind"] == "call":
+                batch = self._run_call_cases(program, tests, first)
             else:
-                status = self._run_function_case(program, tests.get("setup", ""), case)
-            statuses.append(status)
-            if status != "passed" and stop_on_failure:
-                break
-        return CodeGrade(passed=statuses.count("passed"), total=len(cases), statuses=statuses,
-                         ran_all=len(statuses) == len(cases))
+                batch = self._run_judged_cases(program, problem, tests, first, stop_on_failure)
+            for status in batch:
+                statuses.append(status)
+                if status != "passed" and stop_on_failure:
+                    return CodeGrade(passed=statuses.count("passed"), total=len(cases), statuses=statuses,
+                                     ran_all=len(statuses) == len(cases))
+        return CodeGrade(passed=statuses.count("passed"), total=len(cases), statuses=statuses, ran_all=True)
+
+    def _limits(self, num_cases: int) -> Dict[str, Any]:
+        cfg = self.sandbox.config
+        return {"timeout_s": cfg.wall_timeout_s * num_cases, "cpu_time_s": cfg.cpu_time_s * num_cases}
 
     def _run_stdio_case(self, program: str, case: Dict[str, str]) -> str:
         result = self.sandbox.run(program, stdin=case["input"])
@@ -185,14 +229,53 @@ class CodeVerifier:
             return result.status
         return "passed" if stdio_output_matches(result.stdout, case["output"]) else "wrong_answer"
 
-    def _run_function_case(self, program: str, setup: str, case: str) -> str:
-        token = secrets.token_hex(16)
-        result = self.sandbox.run(_FUNCTION_HARNESS, stdin=token + "\n",
-                                  files={"setup.py": setup, "solution.py": program, "case.py": case})
-        if not result.ok:
-            return result.status
-        last_line = result.stdout.rstrip("\n").rsplit("\n", 1)[-1]
-        return "passed" if last_line == token else "no_verdict"
+    def _run_call_cases(self, program: str, tests: Dict[str, Any], first: int) -> List[str]:
+        """Cases first.. in one run; the program's replies are decoded and judged here."""
+        cases = tests["cases"][first:]
+        requests = "".join(plain_data.encode([tests["fn_name"], case["args"], {}]) + "\n" for case in cases)
+        result = self.sandbox.run(_harness_source("function_runner.py"), stdin=requests,
+                                  files=_sandbox_files(program), **self._limits(len(cases)))
+        replies = result.stdout.splitlines()
+        if not replies:
+            return [_ended_status(result)] * len(cases)     # ended while loading: same for every case
+        if not _is_reply(replies[0], "loaded"):
+            return ["error"] * len(cases)                   # raised while loading
+        statuses = []
+        for case, line in zip(cases, replies[1:]):
+            try:
+                reply = plain_data.decode(line)
+            except ValueError:
+                reply = None
+            if type(reply) is list and len(reply) == 2 and reply[0] == "ok":
+                statuses.append("passed" if call_output_matches(reply[1], case["expected"]) else "wrong_answer")
+            else:
+                statuses.append("error")
+        if len(statuses) < len(cases):
+            statuses.append(_ended_status(result))
+        return statuses
+
+    def _run_judged_cases(self, program: str, problem: Dict[str, Any], tests: Dict[str, Any], first: int,
+                          stop_on_failure: bool) -> List[str]:
+        """Cases first.. in one run of the judge (judge.py); the tests travel on its stdin."""
+        cases = tests["cases"][first:]
+        setup = tests.get("setup") or ""
+        payload = json.dumps({"prelude": problem.get("code_prompt") or "", "setup": setup, "cases": cases,
+                              "entry_point": problem.get("entry_point"), "stop_on_failure": stop_on_failure})
+        limits = self._limits(len(cases))
+        result = self.sandbox.run(_harness_source("judge.py"), stdin=payload, files=_sandbox_files(program, setup),
+                                  **limits)
+        statuses = []
+        for line in result.stdout.splitlines():
+            try:
+                verdict = json.loads(line)
+            except ValueError:                        # the judge was killed mid-line
+                break
+            if verdict.get("case") != len(statuses):
+                raise RuntimeError(f"judge: verdict out of order: {line[:200]}")
+            statuses.append(_judged_status(verdict, limits["cpu_time_s"]))
+        if len(statuses) < len(cases) and (not statuses or not result.ok):
+            statuses.append(_ended_status(result))    # the run ended before the judge did
+        return statuses
 
     # -- batches -------------------------------------------------------------------------------
     def grade_batch(self, problems: Sequence[Dict[str, Any]], responses: Sequence[str],
@@ -213,3 +296,19 @@ class CodeVerifier:
         if self.reward == "pass":
             return [1.0 if g.all_passed else 0.0 for g in grades]
         return [g.fraction for g in grades]
+
+
+def _judged_status(verdict: Dict[str, Any], cpu_limit_s: float) -> str:
+    """A judge verdict's status; "no_result" says how the program's process ended."""
+    if verdict["status"] == "no_result" and killed_by_cpu_limit(verdict.get("signal"), verdict.get("cpu_s") or 0.0,
+                                                                 cpu_limit_s):
+        return STATUS_CPU_LIMIT
+    return verdict["status"]
+
+
+def _is_reply(line: str, kind: str) -> bool:
+    try:
+        reply = plain_data.decode(line)
+    except ValueError:
+        return False
+    return type(reply) is list and len(reply) >= 1 and reply[0] == kind

@@ -63,7 +63,7 @@ def test_converters_produce_the_schema(records):
     apps = records["apps_train"]
     assert apps[0]["tests"]["kind"] == "stdio" and len(apps[0]["tests"]["cases"]) == 3
     assert apps[0]["tests"]["cases"][1] == {"input": "-4 5\n", "output": "1\n-20\n"}
-    assert apps[1]["tests"]["kind"] == "function" and apps[1]["entry_point"] == "runningSum"
+    assert apps[1]["tests"]["kind"] == "call" and apps[1]["entry_point"] == "runningSum"
     assert apps[3] is None                                            # APPS row without tests: skipped
     assert records["mbpp"][0]["entry_point"] == "second_largest"
     assert len(records["mbpp"][0]["tests"]["cases"]) == 3
@@ -98,7 +98,8 @@ def test_early_exit_does_not_pass(graded):
     cases, _, grades = graded
     exits = [g for c, g in zip(cases, grades) if "exit(0)" in c["response"]]
     assert len(exits) == 2
-    assert all(g.statuses == ["no_verdict"] for g in exits)
+    # sys.exit(0) while loading is an exception the runner reports; os._exit(0) ends its process
+    assert [g.statuses for g in exits] == [["error"], ["no_result"]]
 
 
 def test_score_batch_modes_and_registry(sandbox, records):
@@ -110,7 +111,7 @@ def test_score_batch_modes_and_registry(sandbox, records):
     assert fractions == pytest.approx([1 / 3, 1.0])
     # "pass" mode stops at the first failing case
     grade = CodeVerifier(sandbox=sandbox).grade(problem, "```python\ndef second_largest(xs):\n    return 0\n```")
-    assert grade.statuses == ["error"] and not grade.ran_all
+    assert grade.statuses == ["wrong_answer"] and not grade.ran_all
     verifier = get_verifier("code", reward="fraction", wall_timeout_s=5.0)
     assert isinstance(verifier, CodeVerifier) and verifier.sandbox.config.wall_timeout_s == 5.0
     with pytest.raises(ValueError, match="reward"):
