@@ -210,7 +210,8 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
     Returns per-problem success rates (``success_rates``, and a summary), the share of problems
     per success bucket (the flip-rate edges ``[0, 8, 32, 128, 256]`` out of 256, scaled to
     ``num_samples``; bucket ``[a, b)``, the last one closed), distinct correct answers per problem
-    (as strings and as expressions modulo commuting), response lengths in tokens (EOS included),
+    (as strings and as expressions modulo commuting; and the mean number of distinct correct
+    expressions over the problems solved at least once), response lengths in tokens (EOS included),
     and the sampling speed. Runs on one process or on every rank of a layout with the same
     problems (``backend`` is a :class:`quatro_nemo.engine.rollout.RolloutBackend`).
     """
@@ -231,6 +232,7 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
         rates.append(len(correct) / num_samples)
         distinct.append(len(set(correct)))
         distinct_expressions.append(len({canonical_expression(r) for r in correct}))
+    solved = [d for d, rate in zip(distinct_expressions, rates) if rate > 0]
     edges = [e / SUCCESS_BUCKET_EDGES[-1] for e in SUCCESS_BUCKET_EDGES]
     buckets = {}
     for lo, hi in zip(edges[:-1], edges[1:]):
@@ -247,6 +249,8 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
         "solved_always": sum(r == 1 for r in rates) / len(rates),
         "distinct_correct_per_problem": summarize(distinct),
         "distinct_correct_expressions_per_problem": summarize(distinct_expressions),
+        # the diversity a method can keep or lose (issue 16): mean over problems solved at least once
+        "distinct_correct_per_solved_problem": sum(solved) / len(solved) if solved else 0.0,
         "response_length_tokens": summarize(batch.sample.response_lengths.tolist()),
         "finished_fraction": float(batch.sample.finished.float().mean()),
         "sampling_seconds": wall,
@@ -254,6 +258,33 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
         "sampling_tokens_per_second": generated / wall,
         "sampling_tokens_per_cpu_second": generated / max(cpu, 1e-9),
     }
+
+
+def measure_base_model(task: CountdownTaskConfig, tokenizer_config: TokenizerConfig, model_config,
+                       config: WarmStartConfig, num_problems: int, num_samples: int, top_p: float = 1.0,
+                       temperature: float = 1.0, max_new_tokens: int = 32, seed: int = 0) -> Dict[str, Any]:
+    """:func:`measure_policy` of the (cached, else trained) base model on the first ``num_problems``
+    held-out problems, in this process (initialises megatron at TP=1, PP=1 and tears it down)."""
+    from quatro_nemo.data.countdown import generate_split
+    from quatro_nemo.engine.rollout import MegatronRolloutBackend
+    from quatro_nemo.megatron.models import build_model, load_full_state_dict
+    from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
+    from quatro_nemo.megatron.sampling import SamplingParams
+
+    state, _ = load_or_train_base_model(task, tokenizer_config, model_config, config)
+    tokenizer = CharTokenizer(tokenizer_config)
+    problems = generate_split(task, "heldout", num_problems)
+    initialize_parallel(1, 1, seed=seed)
+    try:
+        model = build_model(model_config)
+        load_full_state_dict(model, state)
+        model.eval()
+        backend = MegatronRolloutBackend(model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+        with torch.no_grad():
+            return measure_policy(backend, problems, tokenizer, num_samples, params)
+    finally:
+        destroy_parallel()
 
 
 # --------------------------------------------------------------------------------------------
