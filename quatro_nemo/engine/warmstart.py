@@ -25,6 +25,7 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -211,7 +212,8 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
     per success bucket (the flip-rate edges ``[0, 8, 32, 128, 256]`` out of 256, scaled to
     ``num_samples``; bucket ``[a, b)``, the last one closed), distinct correct answers per problem
     (as strings and as expressions modulo commuting; and the mean number of distinct correct
-    expressions over the problems solved at least once), response lengths in tokens (EOS included),
+    expressions over the problems solved at least once; and, over the problems with at least three,
+    the share of the most frequent one against an equal preference's), response lengths in tokens (EOS included),
     and the sampling speed. Runs on one process or on every rank of a layout with the same
     problems (``backend`` is a :class:`quatro_nemo.engine.rollout.RolloutBackend`).
     """
@@ -225,13 +227,16 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
     responses = [tokenizer.decode(ids) for ids in batch.response_ids()]
     rows = [p for p in problems for _ in range(num_samples)]
     scores = CountdownVerifier().score_batch(rows, responses)
-    rates, distinct, distinct_expressions = [], [], []
+    rates, distinct, distinct_expressions, top_shares = [], [], [], []
     for g in range(len(problems)):
         group = range(g * num_samples, (g + 1) * num_samples)
         correct = [responses[i] for i in group if scores[i] > 0]
         rates.append(len(correct) / num_samples)
         distinct.append(len(set(correct)))
-        distinct_expressions.append(len({canonical_expression(r) for r in correct}))
+        modes = Counter(canonical_expression(r) for r in correct)
+        distinct_expressions.append(len(modes))
+        if len(modes) >= 3:   # how unequal the preference between the modes is (1 / len(modes) if equal)
+            top_shares.append((max(modes.values()) / len(correct), 1.0 / len(modes)))
     solved = [d for d, rate in zip(distinct_expressions, rates) if rate > 0]
     edges = [e / SUCCESS_BUCKET_EDGES[-1] for e in SUCCESS_BUCKET_EDGES]
     buckets = {}
@@ -251,6 +256,10 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
         "distinct_correct_expressions_per_problem": summarize(distinct_expressions),
         # the diversity a method can keep or lose (issue 16): mean over problems solved at least once
         "distinct_correct_per_solved_problem": sum(solved) / len(solved) if solved else 0.0,
+        # over problems with >= 3 distinct correct expressions: the most frequent one's share of the
+        # correct answers, and what it would be with equal preference
+        "top_mode_share": sum(t for t, _ in top_shares) / len(top_shares) if top_shares else None,
+        "top_mode_share_if_equal": sum(e for _, e in top_shares) / len(top_shares) if top_shares else None,
         "response_length_tokens": summarize(batch.sample.response_lengths.tolist()),
         "finished_fraction": float(batch.sample.finished.float().mean()),
         "sampling_seconds": wall,

@@ -397,13 +397,21 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
         lines += [f"![log-ratio ablation]({figures['logratio_ablation']})", ""]
     lines += _delta_lines(study, figures)
     lines += ["### Advantage vs number of correct responses (exact, binary rewards)", ""]
+    lines += _advantage_lines(advantages, figures)
+    lines += ["## Each method's own settings (the same in every part of the study)", ""]
+    lines += _table(["method", "fields (conf/algorithm/<name>.yaml)"],
+                    [[name, ", ".join(f"{k}={v}" for k, v in sorted(fields.items()) if k != "name")]
+                     for name, fields in sorted(plan.defaults.algorithm_fields.items())])
+    return "\n".join(lines)
+
+
+def _advantage_lines(advantages, figures: Dict[str, str]) -> List[str]:
     deltas = sorted(advantages)
     cs = advantages[deltas[0]]["c"]
     rows = [[c] + [f"{advantages[d]['a_correct'][i]:.3f} / {advantages[d]['a_wrong'][i]:.3f}" for d in deltas]
             for i, c in enumerate(cs)]
-    lines += _table(["c correct"] + [f"delta={d:g}: A(correct) / A(wrong)" for d in deltas], rows)
-    lines += [f"![advantage vs correct]({figures['advantage_vs_correct']})", ""]
-    return "\n".join(lines)
+    return (_table(["c correct"] + [f"delta={d:g}: A(correct) / A(wrong)" for d in deltas], rows)
+            + [f"![advantage vs correct]({figures['advantage_vs_correct']})", ""])
 
 
 def _delta_lines(study: Study, figures: Dict[str, str]) -> List[str]:
