@@ -194,8 +194,9 @@ class Study:
         return stat(list(self.by_seed(setting, seeds, extract).values()))
 
     def kmax(self) -> Optional[int]:
-        ks = [max(ks_of(r.final(self.claim_top_p))) for r in self.runs.values()
-              if r.final(self.claim_top_p) and ks_of(r.final(self.claim_top_p))]
+        """The largest k every main-comparison run was evaluated at (sweep-only runs have fewer samples)."""
+        finals = [run.final(self.claim_top_p) for s in self.plan.compare.values() for run in self.group(s, self.plan.seeds)]
+        ks = [max(ks_of(f)) for f in finals if f and ks_of(f)]
         return min(ks) if ks else None
 
     def curve(self, setting: Setting, seeds: Sequence[int], key: str
