@@ -5,7 +5,11 @@ rarely, and prefers some solution styles. Demonstrations come from a **biased** 
 Countdown solutions: operators are drawn with ``op_weights`` (default: ``+`` and ``*`` common,
 ``-`` and ``/`` rare) and commutative steps are written larger operand first with probability
 ``larger_first``. Problems whose solutions need ``-`` or ``/`` stay hard for the base model, and
-RL has several modes it can either sharpen onto or keep.
+RL has several modes it can either sharpen onto or keep. A demonstration combines every given
+number with probability ``all_numbers`` (else a random subset): a problem has one or two short
+shortcuts but many full-length solutions, so demonstrations that use every number spread the
+imitated distribution over several correct solutions per problem (issue 16: the CPU default's
+base model samples >= 3 distinct correct expressions per solved held-out prompt).
 
 Runs in one process (TP=1, PP=1); the full state dict is cached under
 ``<cache_dir>/<hash>.pt`` keyed by a hash of (task, tokenizer, model, warm-start) configs, so a
@@ -56,6 +60,9 @@ class WarmStartConfig:
     weight_decay: float = 0.0
     op_weights: Dict[str, float] = field(default_factory=lambda: {"+": 1.0, "*": 1.0, "-": 0.15, "/": 0.15})
     larger_first: float = 0.85
+    # probability that a demonstration combines every given number (else a random subset of 2 or
+    # more): longer solutions, of which a problem has many, against the one short shortcut
+    all_numbers: float = 0.0
     seed: int = 0
     cache_dir: str = "~/.cache/quatro_nemo/warmstart"
 
@@ -72,8 +79,9 @@ class WarmStartConfig:
             raise ValueError(f"warmstart.op_weights={self.op_weights} must give a weight to each of + - * /")
         if any(v < 0 for v in self.op_weights.values()) or sum(self.op_weights.values()) <= 0:
             raise ValueError(f"warmstart.op_weights={self.op_weights} must be >= 0 with a positive sum")
-        if not 0.0 <= self.larger_first <= 1.0:
-            raise ValueError(f"warmstart.larger_first={self.larger_first} must be in [0, 1]")
+        for key in ("larger_first", "all_numbers"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"warmstart.{key}={getattr(self, key)} must be in [0, 1]")
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -86,7 +94,8 @@ class WarmStartConfig:
 def draw_demonstration(rng: random.Random, task: CountdownTaskConfig, config: WarmStartConfig) -> Tuple[Dict[str, Any], str]:
     """A (train-split problem, biased solution) pair.
 
-    Draws the numbers as the task does, combines a random subset of them into one expression tree
+    Draws the numbers as the task does, combines all of them (probability ``all_numbers``) or a
+    random subset of them into one expression tree
     (every result used by the next combination, so no dead steps) with operators drawn by
     ``op_weights`` among those valid for the operands, and takes the final value as the target.
     """
@@ -94,7 +103,7 @@ def draw_demonstration(rng: random.Random, task: CountdownTaskConfig, config: Wa
     while True:
         k = rng.choice(task.num_numbers)
         numbers = [rng.randint(task.min_number, task.max_number) for _ in range(k)]
-        pool = rng.sample(numbers, rng.randint(2, k))
+        pool = list(numbers) if rng.random() < config.all_numbers else rng.sample(numbers, rng.randint(2, k))
         steps = []
         while len(pool) > 1:
             x = pool.pop(rng.randrange(len(pool)))

@@ -44,6 +44,20 @@ def test_demonstrations_are_correct_train_problems_with_biased_operators():
     assert 0.02 < biased_share < 0.2 < uniform_share  # rare, but not absent
 
 
+def test_all_numbers_demonstrations_combine_every_given_number():
+    def steps_minus_numbers(all_numbers):
+        rng = random.Random(0)
+        config = WarmStartConfig(all_numbers=all_numbers)
+        out = []
+        for _ in range(200):
+            problem, solution = draw_demonstration(rng, TASK, config)
+            out.append(len(parse_steps(solution)) - (len(problem["numbers"]) - 1))
+        return out
+
+    assert set(steps_minus_numbers(1.0)) == {0}          # k numbers -> k - 1 steps, always
+    assert min(steps_minus_numbers(0.0)) < 0              # a random subset: often fewer
+
+
 def test_loss_mask_selects_exactly_the_solution_and_eos_labels():
     tokenizer = CharTokenizer()
     config = WarmStartConfig(batch_size=5)
@@ -75,6 +89,7 @@ def test_cache_key_depends_on_every_config_but_not_the_directory():
     ({"steps": 0}, "warmstart.steps"),
     ({"op_weights": {"+": 1.0}}, "warmstart.op_weights"),
     ({"larger_first": 1.5}, "warmstart.larger_first"),
+    ({"all_numbers": -0.1}, "warmstart.all_numbers"),
 ])
 def test_config_validation_names_the_key(overrides, key):
     with pytest.raises(ValueError, match=key):
