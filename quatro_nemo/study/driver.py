@@ -97,9 +97,9 @@ INVOCATIONS_FILE = "invocations.jsonl"
 
 
 def record_invocation(out_dir: str, minutes: float, runs_executed: int,
-                      run_seconds: Optional[Dict[str, float]] = None) -> Dict[str, float]:
-    """Append this invocation to ``<out>/invocations.jsonl`` (with each executed run's wall seconds,
-    for :mod:`quatro_nemo.study.timing`); returns :func:`invocation_totals`."""
+                      run_seconds: Optional[Dict[str, List[float]]] = None) -> Dict[str, float]:
+    """Append this invocation to ``<out>/invocations.jsonl`` (with each executed run's [wall, CPU]
+    seconds, for :mod:`quatro_nemo.study.timing`); returns :func:`invocation_totals`."""
     with open(os.path.join(out_dir, INVOCATIONS_FILE), "a", encoding="utf-8") as f:
         f.write(json.dumps({"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": round(minutes, 2),
                             "runs_executed": runs_executed, "run_seconds": run_seconds or {}}) + "\n")
@@ -136,7 +136,7 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
     info = {"wall_minutes": (time.time() - started) / 60.0, "failed_runs": failed,
             "runs_executed": sum(r.status == "done" for r in results),
             "runs_skipped": sum(r.status == "skipped" for r in results)}
-    run_seconds = {r.name: round(r.seconds, 2) for r in results if r.status == "done"}
+    run_seconds = {r.name: [round(r.seconds, 2), round(r.cpu_seconds, 2)] for r in results if r.status == "done"}
     info.update(record_invocation(out_dir, info["wall_minutes"], info["runs_executed"], run_seconds))
     archive_runs({name: run_dir(out_dir, name) for name in plan.runs}, out_dir)
     out = write_report(cfg, plan, out_dir, out_dir, info)

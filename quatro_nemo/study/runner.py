@@ -50,6 +50,17 @@ class RunResult:
     status: str              # done (this time) | skipped (already done) | failed
     seconds: float = 0.0
     returncode: Optional[int] = None
+    cpu_seconds: Optional[float] = None   # user + system time of the run's process
+
+
+def _reap(process: subprocess.Popen) -> Optional[tuple]:
+    """(exit code, CPU seconds) of a process that has exited, else None. ``os.wait4`` returns the
+    child's resource usage, which ``Popen.poll`` would discard."""
+    pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+    if pid == 0:
+        return None
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode, usage.ru_utime + usage.ru_stime
 
 
 def prewarm(base_args: Sequence[str]) -> None:
@@ -129,13 +140,14 @@ def _loop(pending, active, results, total, study_dir, base_args, workers, env, l
             active[spec.name] = (process, handle, time.time())
         time.sleep(poll_s)
         for name, (process, handle, started) in list(active.items()):
-            code = process.poll()
-            if code is None:
+            reaped = _reap(process)
+            if reaped is None:
                 continue
+            code, cpu = reaped
             handle.close()
             del active[name]
             ok = code == 0 and is_done(run_dir(study_dir, name), evaluation_args is not None)
-            results.append(RunResult(name, "done" if ok else "failed", time.time() - started, code))
+            results.append(RunResult(name, "done" if ok else "failed", time.time() - started, code, cpu))
             finished = sum(r.status != "skipped" for r in results)
             log(f"[study] {finished}/{total} {name}: {'ok' if ok else f'FAILED (exit {code})'} "
                 f"in {time.time() - started:.0f} s" + ("" if ok else f"; see {run_dir(study_dir, name)}/train.log"))

@@ -8,7 +8,11 @@ its training records. Two linear models are fitted by least squares over its run
     evaluation = c + r * sampled responses (problems x samples x top-p values)
 
 and the overhead of a run (start-up, task generation, checkpoint, report) is the median of its
-wall time minus its evaluation and its logged step times. The target study's runs are then costed from their composed
+wall time minus its evaluation and its logged step times. Each run's wall-clock figures are first
+scaled by its CPU time / wall time (its process's user + system time, recorded by the runner):
+on a machine shared with other work a run waits for the CPU, and the estimate is for a machine
+that runs the study alone (each run one single-threaded process, ``workers`` at a time on as many
+cores). The target study's runs are then costed from their composed
 settings (steps, K, mini-batches, evaluation kind) and divided over its ``workers``, plus the base
 model's evaluation, which runs alone. The timings carry the machine and the contention of the
 measured study, so measure with the same ``workers`` on the machine the study will run on.
@@ -39,21 +43,22 @@ def _line(x: List[float], y: List[float]) -> Tuple[float, float]:
 
 def measured_costs(timed_dir: str) -> Dict[str, float]:
     """The fitted per-step, per-sample and overhead costs (seconds) of a finished study."""
-    seconds: Dict[str, float] = {}
+    seconds: Dict[str, List[float]] = {}     # name -> [wall, CPU]
     for _, record in iter_jsonl(f"{timed_dir}/{INVOCATIONS_FILE}"):
         seconds.update(record.get("run_seconds") or {})
     if not seconds:
         raise ValueError(f"{timed_dir}/{INVOCATIONS_FILE} records no per-run timings (a study run by this version "
                          "records them)")
     step_x, step_y, overheads, eval_x, eval_y = [], [], [], [], []
-    for name, wall in seconds.items():
+    for name, (wall, cpu) in seconds.items():
+        busy = min(1.0, cpu / wall)           # the share of its wall time the run had a CPU
         records = read_archive(archive_path(timed_dir, name))
         train = [r for r in records if r.get("kind") == "train"]
         evals = [r for r in records if r.get("kind") == EVAL_KIND]
         step_x += [r["optimizer_steps"] for r in train]
-        step_y += [r["time/step"] for r in train]
-        evaluate = evals[0]["job_seconds"]["evaluate"]
-        overheads.append(wall - evaluate - sum(r["time/step"] for r in train))
+        step_y += [busy * r["time/step"] for r in train]
+        evaluate = busy * evals[0]["job_seconds"]["evaluate"]
+        overheads.append(cpu - evaluate - sum(busy * r["time/step"] for r in train))
         eval_x.append(sum(r["num_problems"] * r["n_samples"] for r in evals))
         eval_y.append(evaluate)
     a, b = _line(step_x, step_y)

@@ -46,6 +46,7 @@ def test_execute_skips_done_runs_reports_failures_and_isolates_runs(tmp_path, mo
     assert status == {done_before.name: "skipped", specs[1].name: "done", specs[2].name: "done",
                       specs[3].name: "failed"}
     assert next(r for r in results if r.status == "failed").returncode == 3
+    assert all(r.cpu_seconds > 0 for r in results if r.status != "skipped")   # from the process's rusage
     assert any("FAILED (exit 3)" in m for m in messages)
     seen = json.load(open(os.path.join(runner.run_dir(study_dir, specs[1].name), "seen.json")))
     assert seen["master_port"] is None and seen["threads"] == "1"
@@ -85,8 +86,8 @@ def test_invocations_total_the_wall_time_of_those_that_trained(tmp_path):
     from quatro_nemo.study.driver import INVOCATIONS_FILE, record_invocation
     assert record_invocation(str(tmp_path), 38.9, 63) == {"total_wall_minutes": 38.9, "training_invocations": 1}
     assert record_invocation(str(tmp_path), 0.4, 0) == {"total_wall_minutes": 38.9, "training_invocations": 1}
-    totals = record_invocation(str(tmp_path), 24.1, 38, {"quatro-s1": 61.5})
+    totals = record_invocation(str(tmp_path), 24.1, 38, {"quatro-s1": [61.5, 58.0]})
     assert totals["training_invocations"] == 2 and abs(totals["total_wall_minutes"] - 63.0) < 1e-9
     lines = [json.loads(line) for line in open(tmp_path / INVOCATIONS_FILE)]
     assert [r["runs_executed"] for r in lines] == [63, 0, 38]
-    assert lines[-1]["run_seconds"] == {"quatro-s1": 61.5}
+    assert lines[-1]["run_seconds"] == {"quatro-s1": [61.5, 58.0]}
