@@ -61,8 +61,10 @@ class PairedTest:
 def paired_t(differences: Sequence[float], confidence: float = 0.95) -> Optional[PairedTest]:
     """Paired t test of the mean of per-seed differences against 0; None for fewer than 2 seeds.
 
-    With zero spread (every seed gives the same difference) the test is exact: p = 0 for a
-    non-zero difference, p = 1 for none, and the interval is the point itself.
+    With zero spread (every seed gives the same difference) the spread is unknown, not zero: with
+    few seeds and a discrete metric (pass@n over a few dozen problems moves in steps of 1/problems)
+    equal differences are a coincidence, so such a difference is not significant (p = 1; the
+    interval is the point itself).
     """
     d = np.asarray([float(x) for x in differences], dtype=np.float64)
     n = d.size
@@ -71,7 +73,7 @@ def paired_t(differences: Sequence[float], confidence: float = 0.95) -> Optional
     mean = float(d.mean())
     se = float(d.std(ddof=1)) / math.sqrt(n)
     if se == 0.0:
-        return PairedTest(mean, mean, mean, 0.0 if mean != 0.0 else 1.0, n, d.tolist())
+        return PairedTest(mean, mean, mean, 1.0, n, d.tolist())
     t = mean / se
     half = float(scipy_stats.t.ppf(0.5 + confidence / 2.0, n - 1)) * se
     p = float(2.0 * scipy_stats.t.sf(abs(t), n - 1))

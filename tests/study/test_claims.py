@@ -3,6 +3,7 @@ exact advantage-vs-correct table against the reference values of quatro-math.md 
 import json
 import math
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -42,10 +43,18 @@ def eval_records(final, step, full=True):
     return [dict(extra, kind=EVAL_KIND, step=step, top_p=p, **final) for p in (TOP_PS if full else TOP_PS[:1])]
 
 
+def jitter(name, values):
+    """Up to +-5e-5 of run noise on every metric, different per run: equal per-seed differences
+    would be untestable (no spread), as they are for the study."""
+    def noise(key):
+        return 1e-4 * (zlib.crc32(f"{name}/{key}".encode()) % 1000 / 1000 - 0.5)
+    return {k: v + noise(k) if isinstance(v, float) else v for k, v in values.items()}
+
+
 def write_run(study_dir, name, final, train, full=True):
     """A run's kept metrics as the study writes them: train records + study evaluation records."""
-    records = [dict(step=s, kind="train", **row) for s, row in enumerate(train, start=1)]
-    write_archive(archive_path(study_dir, name), records + eval_records(final, len(train), full))
+    records = [dict(step=s, kind="train", **jitter(name, row)) for s, row in enumerate(train, start=1)]
+    write_archive(archive_path(study_dir, name), records + eval_records(jitter(name, final), len(train), full))
 
 
 def fill(study_dir, plan, final_of, train_of):
@@ -121,16 +130,17 @@ def test_every_claim_reproduces_when_the_metrics_say_so(quatro_wins):
     assert study.kmax() == 16               # the sweep-only runs' smaller evaluation does not lower it
     # the numbers behind one verdict, by hand: QUATRO pass@16 = 0.5 + 0.05*4*2 = 0.9 and a
     # baseline's 0.7; the seed effect +-0.01 is the same for both methods, so every per-seed
-    # difference is 0.2 (no spread: the paired test is exact)
+    # difference is 0.2 up to the runs' +-1e-3 noise
     gspo = next(c for c in claims["passk_at_kmax"].comparisons if c.label == "gspo")
-    assert gspo.test.mean == pytest.approx(0.2) and gspo.test.differences == pytest.approx([0.2, 0.2])
+    assert gspo.test.mean == pytest.approx(0.2, abs=2e-3)
+    assert gspo.test.differences == pytest.approx([0.2, 0.2], abs=2e-3)
     ucc = next(c for c in claims["ucc_at_kmax"].comparisons if c.label == "gspo")
-    assert ucc.detail["UCR quatro"] == pytest.approx(0.3) and ucc.detail["UCR gspo"] == pytest.approx(0.1)
+    assert ucc.detail["UCR quatro"] == pytest.approx(0.3, abs=1e-3) and ucc.detail["UCR gspo"] == pytest.approx(0.1, abs=1e-3)
     # stability: GSPO's loss along the axis (0.2 at K = 4) minus QUATRO's (0)
     k = next(c for c in claims["stability_inner_loops"].comparisons if c.label == "gspo")
-    assert k.test.mean == pytest.approx(0.2)
+    assert k.test.mean == pytest.approx(0.2, abs=4e-3)
     lr = next(c for c in claims["stability_lr"].comparisons if c.label == "gspo")
-    assert lr.test.mean == pytest.approx(0.3)
+    assert lr.test.mean == pytest.approx(0.3, abs=4e-3)
 
 
 def test_claims_fail_when_quatro_loses(tmp_path):
