@@ -2,16 +2,18 @@
 """QUATRO vs GRPO, GPG, GSPO, GMPO, DAPO and CISPO side by side on the CPU default task (issue 9).
 
     python recipes/study.py --quick                 # CI scale (<= 10 min on 2 cores): runs/study_quick/
-    python recipes/study.py                         # the full study (<= 90 min): runs/study_full/
-    python recipes/study.py --config full seeds=[1,2,3,4] workers=2     # study-config overrides
-    python recipes/study.py --quick --report-only   # rebuild the report from the finished runs
+    python recipes/study.py                         # the full study (<= 150 min): runs/study_full/
+    python recipes/study.py --config full seeds=[1,2,3,4,5,6] workers=2   # study-config overrides
+    python recipes/study.py --quick --report-only   # rebuild the report from the kept metrics
+    python recipes/study.py --estimate runs/study_quick   # the full study's wall time, from quick's timings
     python recipes/study.py --emit-sweep slurm/sweeps/study_full.txt train_config=quatro_1p5b train_overrides=[]
     python recipes/study.py --collect runs/sweeps/study_full-<timestamp> train_config=quatro_1p5b train_overrides=[]
 
-Each run is recipes/train.py in <out>/runs/<name>; a run whose report.json exists is skipped, so
-an interrupted study continues where it stopped. The report (<out>/report.md, report.json, PNGs)
-states claim by claim whether the paper's claim reproduced, with the numbers. Study configs live
-in conf/study/ (see docs/study.md).
+Each run is recipes/train.py in <out>/runs/<name>, then the study's evaluation of its final
+policy; a trained and evaluated run is skipped, so an interrupted study continues where it
+stopped. Every run's metrics are kept in <out>/metrics/ (gzip JSON lines), from which the report
+(<out>/report.md, report.json, PNGs) states claim by claim whether the paper's claim reproduced,
+with paired statistics. Study configs live in conf/study/ (see docs/study.md).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def previous_info(out: str) -> dict:
     if not os.path.isfile(path):
         return invocation_totals(out)
     with open(path) as f:
-        return dict(json.load(f).get("info") or {}, report_rebuilt=True, **invocation_totals(out))
+        return dict(json.load(f).get("info") or {}, **invocation_totals(out))
 
 
 def main(argv) -> int:
@@ -44,7 +46,9 @@ def main(argv) -> int:
     parser.add_argument("--config", default=None, help="conf/study/<name>.yaml or a YAML path (default: full)")
     parser.add_argument("--quick", action="store_true", help="the CI-scale study (conf/study/quick.yaml)")
     parser.add_argument("--out", default=None, help="study directory (default: runs/study_<name>)")
-    parser.add_argument("--report-only", action="store_true", help="no training: report on the finished runs")
+    parser.add_argument("--report-only", action="store_true", help="no training: report from <out>/metrics/")
+    parser.add_argument("--estimate", metavar="TIMED_STUDY_DIR",
+                        help="estimate this study's wall time from the per-run timings of a finished study")
     parser.add_argument("--emit-sweep", metavar="FILE", help="write the run list for slurm/sweep.sh and exit")
     parser.add_argument("--collect", metavar="SWEEP_DIR", help="report on a slurm/sweep.sh sweep directory")
     parser.add_argument("overrides", nargs="*", help="study-config overrides, key=value")
@@ -61,9 +65,12 @@ def main(argv) -> int:
 
     from quatro_nemo.study.driver import collect_sweep, emit_sweep, run_study, write_report
     from quatro_nemo.study.plan import build_plan
-    from quatro_nemo.study.runner import run_dir
-
     try:
+        if args.estimate:
+            from quatro_nemo.study.timing import estimate_minutes
+            estimate = estimate_minutes(cfg, args.estimate)
+            print(json.dumps(estimate, indent=1))
+            return 0
         if args.emit_sweep:
             count = emit_sweep(cfg, args.emit_sweep)
             print(f"{count} override sets written to {args.emit_sweep}; submit with: bash slurm/sweep.sh {args.emit_sweep}")
@@ -71,8 +78,7 @@ def main(argv) -> int:
         if args.collect:
             result = collect_sweep(cfg, args.collect, args.out or os.path.join(args.collect, "study_report"))
         elif args.report_only:
-            plan = build_plan(cfg)
-            result = write_report(cfg, plan, {n: run_dir(out, n) for n in plan.runs}, out, previous_info(out))
+            result = write_report(cfg, build_plan(cfg), out, out, previous_info(out))
         else:
             result = run_study(cfg, out)
     except ConfigError as exc:

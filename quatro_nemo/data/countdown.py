@@ -26,6 +26,7 @@ the task's measured properties.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import re
 import statistics
@@ -311,12 +312,21 @@ def iter_problems(config: CountdownTaskConfig, split: str) -> Iterator[Dict[str,
         index += 1
 
 
+# Generated splits and measured properties, per process: a process that builds the task twice
+# (the study's job trains, then evaluates) generates it once.
+_SPLITS: Dict[Tuple[str, str, int], List[Dict[str, Any]]] = {}
+_PROPERTIES: Dict[Tuple[str, ...], "TaskProperties"] = {}
+
+
 def generate_split(config: CountdownTaskConfig, split: str, count: Optional[int] = None) -> List[Dict[str, Any]]:
     """The first ``count`` problems of a split (default: ``num_train`` / ``num_heldout``)."""
     if count is None:
         count = config.num_train if split == "train" else config.num_heldout
-    stream = iter_problems(config, split)
-    return [next(stream) for _ in range(count)]
+    key = (json.dumps(config.to_dict(), sort_keys=True), split, count)
+    if key not in _SPLITS:
+        stream = iter_problems(config, split)
+        _SPLITS[key] = [next(stream) for _ in range(count)]
+    return [dict(record, numbers=list(record["numbers"])) for record in _SPLITS[key]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,6 +363,13 @@ def measure_task_properties(problems: Sequence[Dict[str, Any]]) -> TaskPropertie
     """Distinct correct answers per problem (exhaustive; as strings and as expressions modulo
     commuting, :func:`canonical_expression`), and answer / prompt lengths in characters (one
     character is one token of :class:`quatro_nemo.data.tokenizer.CharTokenizer`)."""
+    key = tuple(p["prompt"] for p in problems)
+    if key not in _PROPERTIES:
+        _PROPERTIES[key] = _measure_task_properties(problems)
+    return _PROPERTIES[key]
+
+
+def _measure_task_properties(problems: Sequence[Dict[str, Any]]) -> TaskProperties:
     counts, expression_counts, answer_lengths = [], [], []
     for problem in problems:
         solutions = enumerate_solutions(problem["numbers"], problem["target"])

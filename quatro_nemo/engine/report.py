@@ -43,6 +43,15 @@ def _success_histogram(samples: List[Dict[str, Any]]) -> List[str]:
             f"{sum(x == 1 for x in rates)} always solved.", ""]
 
 
+def distinct_correct_per_solved(samples: List[Dict[str, Any]]) -> Optional[float]:
+    """Mean number of distinct correct solutions (the UCC@k clusters) over the problems solved at
+    least once: the diversity RL can keep or lose (issue 16). None if no problem was solved."""
+    if not all("cluster_sizes" in r for r in samples):
+        return None
+    solved = [len(r["cluster_sizes"]) for r in samples if r["num_correct"] > 0]
+    return sum(solved) / len(solved) if solved else None
+
+
 def write_report(run_dir: str, cfg, task_properties: Dict[str, Any]) -> Dict[str, Any]:
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     evals = [r for r in records if r["kind"] == "eval"]
@@ -70,6 +79,12 @@ def write_report(run_dir: str, cfg, task_properties: Dict[str, Any]) -> Dict[str
         lines.append("")
         base_samples, final_samples = _samples(run_dir, base["step"]), _samples(run_dir, final["step"])
         if base_samples and final_samples:
+            diversity = [distinct_correct_per_solved(base_samples), distinct_correct_per_solved(final_samples)]
+            if None not in diversity:
+                summary["distinct_correct_per_solved"] = {"base": diversity[0], "final": diversity[1]}
+                lines += [f"Distinct correct answers per solved problem (the UCC@k clusters: solutions equal "
+                          f"after normalisation count once): base {_fmt(diversity[0])}, trained {_fmt(diversity[1])}.",
+                          ""]
             n_base = [len(r["rewards"]) for r in base_samples]
             n_final = [len(r["rewards"]) for r in final_samples]
             buckets = flip_rate_by_bucket([r["num_correct"] for r in base_samples], n_base,

@@ -5,7 +5,11 @@ rarely, and prefers some solution styles. Demonstrations come from a **biased** 
 Countdown solutions: operators are drawn with ``op_weights`` (default: ``+`` and ``*`` common,
 ``-`` and ``/`` rare) and commutative steps are written larger operand first with probability
 ``larger_first``. Problems whose solutions need ``-`` or ``/`` stay hard for the base model, and
-RL has several modes it can either sharpen onto or keep.
+RL has several modes it can either sharpen onto or keep. A demonstration combines every given
+number with probability ``all_numbers`` (else a random subset): a problem has one or two short
+shortcuts but many full-length solutions, so demonstrations that use every number spread the
+imitated distribution over several correct solutions per problem (issue 16: the CPU default's
+base model samples >= 3 distinct correct expressions per solved held-out prompt).
 
 Runs in one process (TP=1, PP=1); the full state dict is cached under
 ``<cache_dir>/<hash>.pt`` keyed by a hash of (task, tokenizer, model, warm-start) configs, so a
@@ -25,6 +29,7 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -56,6 +61,9 @@ class WarmStartConfig:
     weight_decay: float = 0.0
     op_weights: Dict[str, float] = field(default_factory=lambda: {"+": 1.0, "*": 1.0, "-": 0.15, "/": 0.15})
     larger_first: float = 0.85
+    # probability that a demonstration combines every given number (else a random subset of 2 or
+    # more): longer solutions, of which a problem has many, against the one short shortcut
+    all_numbers: float = 0.0
     seed: int = 0
     cache_dir: str = "~/.cache/quatro_nemo/warmstart"
 
@@ -72,8 +80,9 @@ class WarmStartConfig:
             raise ValueError(f"warmstart.op_weights={self.op_weights} must give a weight to each of + - * /")
         if any(v < 0 for v in self.op_weights.values()) or sum(self.op_weights.values()) <= 0:
             raise ValueError(f"warmstart.op_weights={self.op_weights} must be >= 0 with a positive sum")
-        if not 0.0 <= self.larger_first <= 1.0:
-            raise ValueError(f"warmstart.larger_first={self.larger_first} must be in [0, 1]")
+        for key in ("larger_first", "all_numbers"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"warmstart.{key}={getattr(self, key)} must be in [0, 1]")
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -86,7 +95,8 @@ class WarmStartConfig:
 def draw_demonstration(rng: random.Random, task: CountdownTaskConfig, config: WarmStartConfig) -> Tuple[Dict[str, Any], str]:
     """A (train-split problem, biased solution) pair.
 
-    Draws the numbers as the task does, combines a random subset of them into one expression tree
+    Draws the numbers as the task does, combines all of them (probability ``all_numbers``) or a
+    random subset of them into one expression tree
     (every result used by the next combination, so no dead steps) with operators drawn by
     ``op_weights`` among those valid for the operands, and takes the final value as the target.
     """
@@ -94,7 +104,7 @@ def draw_demonstration(rng: random.Random, task: CountdownTaskConfig, config: Wa
     while True:
         k = rng.choice(task.num_numbers)
         numbers = [rng.randint(task.min_number, task.max_number) for _ in range(k)]
-        pool = rng.sample(numbers, rng.randint(2, k))
+        pool = list(numbers) if rng.random() < config.all_numbers else rng.sample(numbers, rng.randint(2, k))
         steps = []
         while len(pool) > 1:
             x = pool.pop(rng.randrange(len(pool)))
@@ -211,7 +221,9 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
     Returns per-problem success rates (``success_rates``, and a summary), the share of problems
     per success bucket (the flip-rate edges ``[0, 8, 32, 128, 256]`` out of 256, scaled to
     ``num_samples``; bucket ``[a, b)``, the last one closed), distinct correct answers per problem
-    (as strings and as expressions modulo commuting), response lengths in tokens (EOS included),
+    (as strings and as expressions modulo commuting; and the mean number of distinct correct
+    expressions over the problems solved at least once; and, over the problems with at least three,
+    the share of the most frequent one against an equal preference's), response lengths in tokens (EOS included),
     and the sampling speed. Runs on one process or on every rank of a layout with the same
     problems (``backend`` is a :class:`quatro_nemo.engine.rollout.RolloutBackend`).
     """
@@ -225,13 +237,17 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
     responses = [tokenizer.decode(ids) for ids in batch.response_ids()]
     rows = [p for p in problems for _ in range(num_samples)]
     scores = CountdownVerifier().score_batch(rows, responses)
-    rates, distinct, distinct_expressions = [], [], []
+    rates, distinct, distinct_expressions, top_shares = [], [], [], []
     for g in range(len(problems)):
         group = range(g * num_samples, (g + 1) * num_samples)
         correct = [responses[i] for i in group if scores[i] > 0]
         rates.append(len(correct) / num_samples)
         distinct.append(len(set(correct)))
-        distinct_expressions.append(len({canonical_expression(r) for r in correct}))
+        modes = Counter(canonical_expression(r) for r in correct)
+        distinct_expressions.append(len(modes))
+        if len(modes) >= 3:   # how unequal the preference between the modes is (1 / len(modes) if equal)
+            top_shares.append((max(modes.values()) / len(correct), 1.0 / len(modes)))
+    solved = [d for d, rate in zip(distinct_expressions, rates) if rate > 0]
     edges = [e / SUCCESS_BUCKET_EDGES[-1] for e in SUCCESS_BUCKET_EDGES]
     buckets = {}
     for lo, hi in zip(edges[:-1], edges[1:]):
@@ -248,6 +264,12 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
         "solved_always": sum(r == 1 for r in rates) / len(rates),
         "distinct_correct_per_problem": summarize(distinct),
         "distinct_correct_expressions_per_problem": summarize(distinct_expressions),
+        # the diversity a method can keep or lose (issue 16): mean over problems solved at least once
+        "distinct_correct_per_solved_problem": sum(solved) / len(solved) if solved else 0.0,
+        # over problems with >= 3 distinct correct expressions: the most frequent one's share of the
+        # correct answers, and what it would be with equal preference
+        "top_mode_share": sum(t for t, _ in top_shares) / len(top_shares) if top_shares else None,
+        "top_mode_share_if_equal": sum(e for _, e in top_shares) / len(top_shares) if top_shares else None,
         "response_length_tokens": summarize(batch.sample.response_lengths.tolist()),
         "finished_fraction": float(batch.sample.finished.float().mean()),
         "sampling_seconds": wall,
@@ -255,6 +277,33 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
         "sampling_tokens_per_second": generated / wall,
         "sampling_tokens_per_cpu_second": generated / max(cpu, 1e-9),
     }
+
+
+def measure_base_model(task: CountdownTaskConfig, tokenizer_config: TokenizerConfig, model_config,
+                       config: WarmStartConfig, num_problems: int, num_samples: int, top_p: float = 1.0,
+                       temperature: float = 1.0, max_new_tokens: int = 32, seed: int = 0) -> Dict[str, Any]:
+    """:func:`measure_policy` of the (cached, else trained) base model on the first ``num_problems``
+    held-out problems, in this process (initialises megatron at TP=1, PP=1 and tears it down)."""
+    from quatro_nemo.data.countdown import generate_split
+    from quatro_nemo.engine.rollout import MegatronRolloutBackend
+    from quatro_nemo.megatron.models import build_model, load_full_state_dict
+    from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
+    from quatro_nemo.megatron.sampling import SamplingParams
+
+    state, _ = load_or_train_base_model(task, tokenizer_config, model_config, config)
+    tokenizer = CharTokenizer(tokenizer_config)
+    problems = generate_split(task, "heldout", num_problems)
+    initialize_parallel(1, 1, seed=seed)
+    try:
+        model = build_model(model_config)
+        load_full_state_dict(model, state)
+        model.eval()
+        backend = MegatronRolloutBackend(model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+        with torch.no_grad():
+            return measure_policy(backend, problems, tokenizer, num_samples, params)
+    finally:
+        destroy_parallel()
 
 
 # --------------------------------------------------------------------------------------------

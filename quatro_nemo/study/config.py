@@ -6,7 +6,12 @@ A study is a list of training runs (recipes/train.py override sets) in four grou
 - ``sweeps``:   the stability sweeps, one axis at a time from the default: inner loops K at the
                 default learning rate, and learning-rate multipliers at K = 1 (paper Fig. 4a/b);
 - ``ablation``: QUATRO with and without the detached log-ratio term at (delta, K) (Fig. 4c);
-- ``deltas``:   QUATRO at several trust-region radii, for lambda over training (App. C.1).
+- ``deltas``:   QUATRO at several trust-region radii: lambda over training (App. C.1) and the
+                accuracy / diversity trade-off (pass@1 against pass@n per delta).
+
+``evaluation`` is the held-out evaluation of every run's final policy and of the base model
+(:mod:`quatro_nemo.study.evaluation`); ``alpha`` the significance level of the Holm-corrected
+paired tests (:mod:`quatro_nemo.study.stats`).
 
 ``train_overrides`` apply to every run (on top of conf/config.yaml, or of ``train_config``);
 they are where a study shrinks the CPU default (e.g. fewer steps in quick mode).
@@ -58,14 +63,19 @@ def _check_positive(key: str, values: List[Any], integer: bool) -> None:
 class SweepConfig:
     algorithms: List[str] = field(default_factory=lambda: sorted(ALGORITHMS))
     inner_loops: List[int] = field(default_factory=lambda: [1, 2, 4, 8])     # K, at lr x 1
-    lr_multipliers: List[float] = field(default_factory=lambda: [1.0, 4.0, 16.0])  # x default lr, at K = 1
-    seeds: List[int] = field(default_factory=lambda: [1])
+    lr_multipliers: List[float] = field(default_factory=lambda: [1.0, 2.0, 3.0, 4.0, 6.0, 8.0])  # x default lr, K = 1
+    seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
+    # a method's breaking point on an axis: the last point whose mean final held-out reward keeps
+    # at least this fraction of its reward at the default (lr x1, K = 1), every point before it too
+    tolerance: float = 0.9
 
     def validate(self) -> None:
         _check_algorithms("sweeps.algorithms", self.algorithms)
         _check_positive("sweeps.inner_loops", self.inner_loops, integer=True)
         _check_positive("sweeps.lr_multipliers", self.lr_multipliers, integer=False)
         _check_seeds("sweeps.seeds", self.seeds)
+        if not 0.0 < self.tolerance <= 1.0:
+            raise StudyConfigError(f"sweeps.tolerance must be in (0, 1], got {self.tolerance}")
         for key, values, base in (("sweeps.inner_loops", self.inner_loops, 1),
                                   ("sweeps.lr_multipliers", self.lr_multipliers, 1.0)):
             if base not in values:
@@ -91,14 +101,44 @@ class AblationConfig:
 
 @dataclass
 class DeltaConfig:
-    values: List[float] = field(default_factory=lambda: [0.02, 0.05, 0.1])
-    seeds: List[int] = field(default_factory=lambda: [1])
+    values: List[float] = field(default_factory=lambda: [0.02, 0.05, 0.1, 0.2, 0.4])
+    seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
 
     def validate(self) -> None:
         _check_positive("deltas.values", self.values, integer=False)
         if len(self.values) < 2:
             raise StudyConfigError(f"deltas.values needs at least two radii to compare, got {self.values}")
         _check_seeds("deltas.seeds", self.seeds)
+
+
+@dataclass
+class EvaluationConfig:
+    """The held-out evaluation of each run's final policy and of the base model (once)."""
+
+    num_problems: int = 64
+    n_samples: int = 128             # samples per problem: Pass@k and UCC@k for k = 1, 2, 4, ..., n_samples
+    top_p: List[float] = field(default_factory=lambda: [0.7, 1.0])   # claims are decided at the first
+    temperature: float = 1.0
+    seed: int = 0                    # the sampling noise of every evaluation (shared: paired across runs)
+    # The sweeps and the log-ratio ablation are decided on held-out reward alone, which needs no
+    # large n: their runs (not shared with the main comparison) are evaluated with this many
+    # samples per problem at the first top-p only. 0: as the main comparison.
+    sweep_n_samples: int = 32
+
+    def validate(self) -> None:
+        _check_positive("evaluation.num_problems", [self.num_problems], integer=True)
+        _check_positive("evaluation.n_samples", [self.n_samples], integer=True)
+        if not self.top_p or any(isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0
+                                 for p in self.top_p) or len(set(self.top_p)) != len(self.top_p):
+            raise StudyConfigError(f"evaluation.top_p must be a non-empty list of distinct values in (0, 1], "
+                                   f"got {self.top_p}")
+        _check_positive("evaluation.temperature", [self.temperature], integer=False)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise StudyConfigError(f"evaluation.seed must be an integer, got {self.seed!r}")
+        if isinstance(self.sweep_n_samples, bool) or not isinstance(self.sweep_n_samples, int) \
+                or not 0 <= self.sweep_n_samples <= self.n_samples:
+            raise StudyConfigError(f"evaluation.sweep_n_samples must be an integer in [0, n_samples], "
+                                   f"got {self.sweep_n_samples!r}")
 
 
 @dataclass
@@ -112,9 +152,13 @@ class StudyConfig:
     sweeps: SweepConfig = field(default_factory=SweepConfig)
     ablation: AblationConfig = field(default_factory=AblationConfig)
     deltas: DeltaConfig = field(default_factory=DeltaConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     workers: int = 2                             # training processes at a time
-    noise_z: float = 1.0                         # a difference counts when |diff| > noise_z * its std. error
-    time_budget_minutes: float = 90.0            # the target wall time, checked and reported
+    alpha: float = 0.05                          # significance level of the Holm-corrected paired tests
+    # the best method has plateaued when its rollout reward changes by at most this much over the
+    # last quarter of training (least-squares line through the mean over seeds)
+    plateau_tolerance: float = 0.02
+    time_budget_minutes: float = 150.0           # the target wall time, checked and reported
 
     def validate(self) -> None:
         _check_algorithms("algorithms", self.algorithms)
@@ -125,7 +169,9 @@ class StudyConfig:
         _check_seeds("seeds", self.seeds)
         for key in ("workers",):
             _check_positive(key, [getattr(self, key)], integer=True)
-        _check_positive("noise_z", [self.noise_z], integer=False)
+        if not 0.0 < self.alpha < 1.0:
+            raise StudyConfigError(f"alpha must be in (0, 1), got {self.alpha}")
+        _check_positive("plateau_tolerance", [self.plateau_tolerance], integer=False)
         _check_positive("time_budget_minutes", [self.time_budget_minutes], integer=False)
         for i, item in enumerate(self.train_overrides):
             if not isinstance(item, str) or "=" not in item:
@@ -135,9 +181,10 @@ class StudyConfig:
         self.sweeps.validate()
         self.ablation.validate()
         self.deltas.validate()
+        self.evaluation.validate()
 
 
-_NESTED = {"sweeps": SweepConfig, "ablation": AblationConfig, "deltas": DeltaConfig}
+_NESTED = {"sweeps": SweepConfig, "ablation": AblationConfig, "deltas": DeltaConfig, "evaluation": EvaluationConfig}
 
 
 def _build(cls: type, values: Dict[str, Any], prefix: str) -> Any:

@@ -1,24 +1,88 @@
-"""One study end to end: plan -> runs (resumable, a few processes at a time) -> claims -> report."""
+"""One study end to end: plan -> base-model evaluation -> runs (trained then evaluated, resumable,
+a few processes at a time) -> kept metrics -> claims -> report.
+
+The report is built from ``<out>/metrics/`` alone (one gzip JSON-lines file per run: its training
+records and its held-out evaluation; ``base.jsonl.gz`` for the base model), so
+``recipes/study.py --report-only`` redoes the analysis without the run directories.
+"""
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List, Optional
+
+from omegaconf import OmegaConf
 
 from quatro_nemo.data.schema import iter_jsonl
 from quatro_nemo.engine.config import load_config
-from quatro_nemo.study.analysis import Study, advantage_table, evaluate_claims, load_runs
+from quatro_nemo.engine.logging import read_metrics
+from quatro_nemo.study.analysis import (BASE, EVAL_KIND, Study, advantage_table, archive_path, evaluate_claims,
+                                        load_base, load_runs, write_archive)
 from quatro_nemo.study.config import QUATRO, StudyConfig
-from quatro_nemo.study.plan import StudyPlan, build_plan, sweep_line, sweep_lines, train_args
+from quatro_nemo.study.evaluation import STUDY_EVAL, evaluate_base
+from quatro_nemo.study.plan import RunSpec, StudyPlan, build_plan, sweep_line, sweep_lines, train_args
 from quatro_nemo.study.report import write_study_report
-from quatro_nemo.study.runner import execute, is_done, prewarm, run_dir
+from quatro_nemo.study.runner import execute, is_done, is_trained, prewarm, run_dir
 
 
-def write_report(cfg: StudyConfig, plan: StudyPlan, run_dirs: Dict[str, str], out_dir: str,
+def evaluation_args(cfg: StudyConfig, full: bool) -> List[str]:
+    """Arguments of ``python -m quatro_nemo.study.evaluation`` for a run (full: every top-p at
+    ``n_samples``; else the first top-p at ``sweep_n_samples``)."""
+    ev = cfg.evaluation
+    light = not full and ev.sweep_n_samples > 0
+    top_ps = ev.top_p[:1] if light else ev.top_p
+    return ["--problems", str(ev.num_problems), "--n", str(ev.sweep_n_samples if light else ev.n_samples),
+            "--top-p", *(repr(float(p)) for p in top_ps), "--temperature", repr(float(ev.temperature)),
+            "--seed", str(ev.seed)]
+
+
+
+
+def ensure_base_evaluation(cfg: StudyConfig, study_dir: str, log: Callable[[str], None] = print) -> None:
+    """Evaluate the base model once per study (every run starts from the same warm-start)."""
+    path = archive_path(study_dir, BASE)
+    if os.path.isfile(path):
+        return
+    ev = cfg.evaluation
+    started = time.time()
+    write_archive(path, evaluate_base(train_args(cfg), ev.num_problems, ev.n_samples, ev.top_p, ev.temperature,
+                                      ev.seed))
+    log(f"[study] base model evaluated in {time.time() - started:.0f} s")
+
+
+def _loop_evaluation(directory: str) -> List[Dict[str, Any]]:
+    """A run trained outside the study (a SLURM sweep): its loop's last held-out record, at the
+    run's own eval.top_p, stands in for the study's evaluation."""
+    evals = [r for r in read_metrics(os.path.join(directory, "metrics.jsonl")) if r["kind"] == "eval"]
+    if not evals:
+        return []
+    top_p = OmegaConf.load(os.path.join(directory, "config.yaml")).eval.top_p
+    return [dict(evals[-1], kind=EVAL_KIND, top_p=float(top_p))]
+
+
+def archive_runs(run_dirs: Dict[str, str], study_dir: str) -> int:
+    """Keep every finished run's metrics in ``<study_dir>/metrics/<name>.jsonl.gz``: its training
+    records and its study evaluation records. Returns how many runs are kept."""
+    kept = 0
+    for name, directory in run_dirs.items():
+        if not is_trained(directory):
+            continue
+        evaluation = os.path.join(directory, STUDY_EVAL)
+        evals = ([r for _, r in iter_jsonl(evaluation)] if os.path.isfile(evaluation)
+                 else _loop_evaluation(directory))
+        if not evals:
+            continue
+        train = [r for r in read_metrics(os.path.join(directory, "metrics.jsonl")) if r["kind"] == "train"]
+        write_archive(archive_path(study_dir, name), train + evals)
+        kept += 1
+    return kept
+
+
+def write_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out_dir: str,
                  info: Dict[str, Any]) -> Dict[str, Any]:
-    """Load the finished runs, test the claims, write report.md / report.json / PNGs."""
-    study = Study(cfg, plan, load_runs(run_dirs))
+    """Load the kept metrics of ``study_dir``, test the claims, write report.md / report.json / PNGs."""
+    study = Study(cfg, plan, load_runs(study_dir, list(plan.runs)), load_base(study_dir))
     quatro = plan.defaults.algorithm_fields[QUATRO]
     n = load_config(train_args(cfg)).rollout.n
     deltas = sorted(set(cfg.deltas.values) | {quatro["delta"]})
@@ -32,11 +96,13 @@ def write_report(cfg: StudyConfig, plan: StudyPlan, run_dirs: Dict[str, str], ou
 INVOCATIONS_FILE = "invocations.jsonl"
 
 
-def record_invocation(out_dir: str, minutes: float, runs_executed: int) -> Dict[str, float]:
-    """Append this invocation to ``<out>/invocations.jsonl``; returns :func:`invocation_totals`."""
+def record_invocation(out_dir: str, minutes: float, runs_executed: int,
+                      run_seconds: Optional[Dict[str, List[float]]] = None) -> Dict[str, float]:
+    """Append this invocation to ``<out>/invocations.jsonl`` (with each executed run's [wall, CPU]
+    seconds, for :mod:`quatro_nemo.study.timing`); returns :func:`invocation_totals`."""
     with open(os.path.join(out_dir, INVOCATIONS_FILE), "a", encoding="utf-8") as f:
         f.write(json.dumps({"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": round(minutes, 2),
-                            "runs_executed": runs_executed}) + "\n")
+                            "runs_executed": runs_executed, "run_seconds": run_seconds or {}}) + "\n")
     return invocation_totals(out_dir)
 
 
@@ -61,15 +127,19 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
     log(f"[study] {cfg.name}: {len(plan.runs)} runs, {len(plan.runs) - len(pending)} already done; "
         f"output {out_dir}")
     os.makedirs(out_dir, exist_ok=True)
-    if len(pending) > 1:
+    if pending:
         prewarm(base)   # the warm-start cache once, not in every concurrent run
-    results = execute(list(plan.runs.values()), out_dir, base, cfg.workers, log=log)
+    ensure_base_evaluation(cfg, out_dir, log)
+    results = execute(list(plan.runs.values()), out_dir, base, cfg.workers, log=log,
+                      evaluation_args=lambda spec: evaluation_args(cfg, plan.needs_full_evaluation(spec)))
     failed = [r.name for r in results if r.status == "failed"]
     info = {"wall_minutes": (time.time() - started) / 60.0, "failed_runs": failed,
             "runs_executed": sum(r.status == "done" for r in results),
             "runs_skipped": sum(r.status == "skipped" for r in results)}
-    info.update(record_invocation(out_dir, info["wall_minutes"], info["runs_executed"]))
-    out = write_report(cfg, plan, {name: run_dir(out_dir, name) for name in plan.runs}, out_dir, info)
+    run_seconds = {r.name: [round(r.seconds, 2), round(r.cpu_seconds, 2)] for r in results if r.status == "done"}
+    info.update(record_invocation(out_dir, info["wall_minutes"], info["runs_executed"], run_seconds))
+    archive_runs({name: run_dir(out_dir, name) for name in plan.runs}, out_dir)
+    out = write_report(cfg, plan, out_dir, out_dir, info)
     minutes, total = info["wall_minutes"], info["total_wall_minutes"]
     log(f"[study] report: {out['paths']['markdown']} ({minutes:.1f} min"
         + (f"; {total:.1f} min over {info['training_invocations']} invocations" if info["training_invocations"] > 1 else "")
@@ -104,4 +174,5 @@ def collect_sweep(cfg: StudyConfig, sweep_dir: str, out_dir: str) -> Dict[str, A
             name = by_line.get(overrides.strip())
             if name is not None:
                 run_dirs[name] = os.path.join(sweep_dir, task)
-    return write_report(cfg, plan, run_dirs, out_dir, {"collected_from": sweep_dir})
+    archive_runs(run_dirs, out_dir)
+    return write_report(cfg, plan, out_dir, out_dir, {"collected_from": sweep_dir})

@@ -50,9 +50,14 @@ class Defaults:
     algorithm_fields: Dict[str, Dict[str, Any]]   # algorithm -> its default config fields
 
 
+# The study evaluates each run's final policy itself (quatro_nemo.study.evaluation, with the base
+# model evaluated once), so the loop's own held-out evaluation is off.
+STUDY_TRAIN_OVERRIDES = ("eval.num_problems=0",)
+
+
 def train_args(cfg: StudyConfig) -> List[str]:
     """The arguments every run shares: the primary training config and the study-wide overrides."""
-    return [f"config={cfg.train_config}", *cfg.train_overrides]
+    return [f"config={cfg.train_config}", *cfg.train_overrides, *STUDY_TRAIN_OVERRIDES]
 
 
 def read_defaults(cfg: StudyConfig, algorithms: Sequence[str]) -> Defaults:
@@ -101,6 +106,12 @@ class StudyPlan:
 
     def runs_of(self, setting: Setting, seeds: Sequence[int]) -> List[RunSpec]:
         return [self.runs[RunSpec(setting, s, ()).name] for s in seeds]
+
+    def needs_full_evaluation(self, spec: RunSpec) -> bool:
+        """Main-comparison and delta runs are read at every k and top-p; a run only in the sweeps
+        or the ablation is read for its held-out reward alone."""
+        return ((spec.setting in self.compare.values() and spec.seed in self.seeds)
+                or (spec.setting in self.deltas.values() and spec.seed in self.delta_seeds))
 
 
 def build_plan(cfg: StudyConfig) -> StudyPlan:

@@ -1,4 +1,8 @@
-"""The study report: report.md (claim table first, then the evidence), report.json and PNGs."""
+"""The study report: report.md (claim table first, then the evidence), report.json and PNGs.
+
+Everything is a function of the kept metrics and the study config, so ``--report-only`` on the
+same metrics writes the same report.md and report.json byte for byte.
+"""
 from __future__ import annotations
 
 import json
@@ -10,16 +14,25 @@ import numpy as np
 from quatro_nemo.eval.plots import _pyplot
 from quatro_nemo.eval.tables import _markdown_table as _table
 from quatro_nemo.eval.tables import to_jsonable
-from quatro_nemo.study.config import QUATRO
-from quatro_nemo.study.analysis import (Claim, Stat, Study, base_metric, claims_to_json, entropy_retention,
-                                        final_metric, identical_methods, ks_of, mean_over_training,
-                                        peak_over_training)
+from quatro_nemo.study.analysis import (Claim, Stat, Study, breaking_points, claims_to_json, entropy_retention,
+                                        final_metric, identical_methods, ks_of, mean_over_training, peak_over_training,
+                                        plateau)
+from quatro_nemo.study.stats import PairedTest
 
 
 def _fmt(s: Optional[Stat], digits: int = 3) -> str:
+    """mean ± std over seeds (the report's tables; the claims carry the 95% intervals)."""
     if s is None:
         return "-"
     return f"{s.mean:.{digits}f}" if s.n == 1 else f"{s.mean:.{digits}f} ± {s.std:.{digits}f}"
+
+
+def _value(x: Any, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _tp(top_p: float) -> str:
+    return f"top-p {top_p:g}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -34,26 +47,66 @@ def _band(ax, x, mean, std, label, color):
         ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.15)
 
 
-def plot_at_k(study: Study, prefix: str, ylabel: str, path: str) -> bool:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    drawn = False
-    for i, (name, setting) in enumerate(study.plan.compare.items()):
-        ks = sorted({k for run in study.group(setting, study.plan.seeds) for k in ks_of(run.final, prefix)})
-        stats = [study.stat(setting, study.plan.seeds, final_metric(f"{prefix}{k}")) for k in ks]
-        pairs = [(k, s) for k, s in zip(ks, stats) if s is not None]
-        if pairs:
-            _band(ax, [k for k, _ in pairs], np.array([s.mean for _, s in pairs]), np.array([s.std for _, s in pairs]), name, f"C{i}")
-            drawn = True
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("k")
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    if drawn:
-        ax.legend(fontsize=7)
+def _save(fig, plt, path: str) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
+
+
+def plot_at_k(study: Study, prefix: str, ylabel: str, path: str) -> bool:
+    """Mean ± std over seeds of a metric against k, one panel per top-p, every method."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(study.top_ps), figsize=(5.2 * len(study.top_ps), 3.8), squeeze=False)
+    drawn = False
+    for ax, top_p in zip(axes.flat, study.top_ps):
+        for i, (name, setting) in enumerate(study.plan.compare.items()):
+            ks = sorted({k for run in study.group(setting, study.plan.seeds) for k in ks_of(run.final(top_p) or {}, prefix)})
+            pairs = [(k, study.stat(setting, study.plan.seeds, final_metric(f"{prefix}{k}", top_p))) for k in ks]
+            pairs = [(k, s) for k, s in pairs if s is not None]
+            if pairs:
+                _band(ax, [k for k, _ in pairs], np.array([s.mean for _, s in pairs]),
+                      np.array([s.std for _, s in pairs]), name, f"C{i}")
+                drawn = True
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("k")
+        ax.set_ylabel(ylabel)
+        ax.set_title(_tp(top_p), fontsize=9)
+        ax.grid(alpha=0.3)
+    if drawn:
+        axes.flat[0].legend(fontsize=7)
+    _save(fig, plt, path)
+    return drawn
+
+
+def plot_frontier(study: Study, kmax: int, path: str) -> bool:
+    """pass@1 against pass@kmax (and against UCC@kmax) for every method and every delta: the
+    accuracy / diversity frontier, one point per setting (mean over its seeds)."""
+    plt = _pyplot()
+    panels = [(top_p, f"pass@{kmax}") for top_p in study.top_ps] + [(study.claim_top_p, f"ucc@{kmax}")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4.0), squeeze=False)
+    plan = study.plan
+    groups = [(name, s, plan.seeds, "o") for name, s in plan.compare.items()]
+    groups += [(f"quatro delta={d:g}", s, plan.delta_seeds, "^") for d, s in sorted(plan.deltas.items())]
+    drawn = False
+    for ax, (top_p, key) in zip(axes.flat, panels):
+        for i, (label, setting, seeds, marker) in enumerate(groups):
+            x = study.stat(setting, seeds, final_metric("pass@1", top_p))
+            y = study.stat(setting, seeds, final_metric(key, top_p))
+            if x is None or y is None:
+                continue
+            ax.errorbar([x.mean], [y.mean], xerr=[x.std], yerr=[y.std], marker=marker, ms=5, ls="none",
+                        color=f"C{i % 10}", label=label)
+            drawn = True
+        base = study.base.get(top_p)
+        if base and key in base:
+            ax.plot([base["pass@1"]], [base[key]], marker="*", ms=10, color="k", ls="none", label="base model")
+        ax.set_xlabel("pass@1")
+        ax.set_ylabel(key)
+        ax.set_title(f"{key} vs pass@1, {_tp(top_p)}", fontsize=9)
+        ax.grid(alpha=0.3)
+    if drawn:
+        axes.flat[0].legend(fontsize=6)
+    _save(fig, plt, path)
     return drawn
 
 
@@ -66,23 +119,22 @@ def plot_curves(study: Study, settings: Dict[str, Any], seeds: Sequence[int], ke
         for i, (label, setting) in enumerate(settings.items()):
             curve = study.curve(setting, seeds, key)
             if curve is not None:
-                _band(ax, *curve, label=str(label), color=f"C{i}")
+                _band(ax, *curve, label=str(label), color=f"C{i % 10}")
                 drawn = True
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("rollout step")
         ax.grid(alpha=0.3)
     if drawn:
         axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, plt, path)
     return drawn
 
 
 def plot_sweep(study: Study, sweep: Dict[str, Dict[Any, Any]], axis_label: str, path: str, log_x: bool) -> bool:
     plt = _pyplot()
-    panels = [("final held-out reward", final_metric("reward/mean")), ("final held-out entropy", final_metric("entropy")),
-              ("clipped fraction (mean over training)", lambda r: mean_over_training(r, "policy/clip_frac"))]
+    p = study.claim_top_p
+    panels = [("final held-out reward", final_metric("reward/mean", p)), ("final held-out entropy", final_metric("entropy", p)),
+              ("clipped fraction (mean over training)", mean_over_training("policy/clip_frac"))]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
     drawn = False
     for ax, (title, extract) in zip(axes, panels):
@@ -100,9 +152,7 @@ def plot_sweep(study: Study, sweep: Dict[str, Dict[Any, Any]], axis_label: str, 
         ax.grid(alpha=0.3)
     if drawn:
         axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, plt, path)
     return drawn
 
 
@@ -120,13 +170,12 @@ def plot_advantages(table: Dict[float, Dict[str, List[float]]], path: str) -> No
         ax.set_xlabel("correct responses c (of N)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, plt, path)
 
 
 def write_figures(study: Study, advantages, out_dir: str) -> Dict[str, str]:
     plan, paths = study.plan, {}
+    kmax = study.kmax()
 
     def keep(name: str, drawn: bool) -> None:
         if drawn:
@@ -135,6 +184,8 @@ def write_figures(study: Study, advantages, out_dir: str) -> Dict[str, str]:
     p = lambda name: os.path.join(out_dir, f"{name}.png")  # noqa: E731
     keep("pass_at_k", plot_at_k(study, "pass@", "held-out Pass@k", p("pass_at_k")))
     keep("ucc_at_k", plot_at_k(study, "ucc@", "held-out UCC@k", p("ucc_at_k")))
+    if kmax:
+        keep("frontier", plot_frontier(study, kmax, p("frontier")))
     keep("training", plot_curves(study, plan.compare, plan.seeds, ["reward/mean", "entropy", "policy/clip_frac"],
                                  ["rollout reward", "policy entropy (rollouts)", "clipped fraction"], p("training")))
     keep("stability_inner_loops", plot_sweep(study, plan.sweep_inner, "inner loops K", p("stability_inner_loops"), True))
@@ -145,7 +196,7 @@ def write_figures(study: Study, advantages, out_dir: str) -> Dict[str, str]:
         p("logratio_ablation")))
     keep("lambda", plot_curves(
         study, {f"delta={d:g}": s for d, s in sorted(plan.deltas.items())}, plan.delta_seeds,
-        ["quatro/lambda/mean", "quatro/lambda/p50"], ["mean lambda* over prompts", "median lambda*"], p("lambda")))
+        ["quatro/lambda/mean", "entropy"], ["mean lambda* over prompts", "policy entropy (rollouts)"], p("lambda")))
     plot_advantages(advantages, p("advantage_vs_correct"))
     paths["advantage_vs_correct"] = "advantage_vs_correct.png"
     return paths
@@ -165,130 +216,228 @@ def _claim_lines(claims: Sequence[Claim]) -> List[str]:
         lines += [f"### {c.id}: {c.verdict}", "", c.statement + ".", ""]
         if c.note:
             lines += [f"_{c.note}_", ""]
-        lines += _table(["vs / effect", "difference (> 0 supports the claim)", "std. error", "outcome", "details"],
-                        [[x.label, f"{x.diff:+.4f}", "-" if x.se is None else f"{x.se:.4f}", x.outcome,
-                          ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in x.detail.items())]
-                         for x in c.comparisons])
+        rows = []
+        for x in c.comparisons:
+            t = x.test
+            detail = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in x.detail.items())
+            if isinstance(t, PairedTest):
+                rows.append([x.label, f"{t.mean:+.4f}", f"[{t.low:+.4f}, {t.high:+.4f}]", f"{t.p_value:.3g}",
+                             f"{x.p_adjusted:.3g}", x.outcome, detail])
+            else:
+                rows.append([x.label, "-", "-", "-", "-", x.outcome, detail])
+        lines += _table(["vs / effect", "mean difference (> 0 supports)", "95% CI (paired t)", "p", "Holm p",
+                         "outcome", "details"], rows)
     return lines
 
 
-def _compare_rows(study: Study, kmax: Optional[int]) -> List[List[str]]:
-    """One row per method (final held-out numbers), after a row for the base model (step 0, the
-    same model and evaluation draw for every method; taken from QUATRO's runs)."""
-    quatro = study.plan.compare[QUATRO]
-    b = lambda key: _fmt(study.stat(quatro, study.plan.seeds, base_metric(key)))  # noqa: E731
-    rows = [["base model (step 0)", "-", b("reward/mean"), "-", b("pass@1")]
-            + ([b(f"pass@{kmax}"), b(f"ucc@{kmax}")] if kmax else []) + [b("ucr"), b("entropy"), "-", "-"]]
-    for name, setting in study.plan.compare.items():
-        s = lambda extract: study.stat(setting, study.plan.seeds, extract)  # noqa: E731
-        row = [name, str(len(study.group(setting, study.plan.seeds))), _fmt(s(base_metric("reward/mean"))),
-               _fmt(s(final_metric("reward/mean"))), _fmt(s(final_metric("pass@1")))]
-        if kmax:
-            row += [_fmt(s(final_metric(f"pass@{kmax}"))), _fmt(s(final_metric(f"ucc@{kmax}")))]
-        row += [_fmt(s(final_metric("ucr"))), _fmt(s(final_metric("entropy"))), _fmt(s(entropy_retention)),
-                _fmt(s(lambda r: mean_over_training(r, "policy/clip_frac")))]
-        rows.append(row)
+def _testbed_lines(study: Study) -> List[str]:
+    """The base model's measured properties and the diversity left after training (issue 16)."""
+    if not study.base:
+        return ["_The base model's evaluation is missing._", ""]
+    rows = []
+    for top_p in study.top_ps:
+        b = study.base.get(top_p)
+        if not b:
+            continue
+        rates = np.array(b["num_correct"], dtype=float) / b["n_samples"]
+        deciles = np.histogram(rates, bins=np.linspace(0, 1, 11))[0]
+        rows.append([_tp(top_p), f"{b['reward/mean']:.3f}", f"{b['solved_fraction']:.3f}",
+                     f"{b['distinct_correct_per_solved']:.2f}", f"{np.mean(b['num_distinct']):.2f}",
+                     f"{np.min(rates):.3f} / {np.median(rates):.3f} / {np.max(rates):.3f}",
+                     " ".join(str(int(c)) for c in deciles)])
+    lines = ["## The testbed (base model, measured)", "",
+             f"{study.cfg.evaluation.num_problems} held-out problems x {study.cfg.evaluation.n_samples} samples, "
+             "temperature 1.0. Distinct correct = distinct expressions modulo commuting (the UCC@k criterion).", ""]
+    lines += _table(["sampling", "reward (mean success)", "solved at least once", "distinct correct per solved problem",
+                     "distinct correct per problem", "success rate min / median / max",
+                     "problems per success decile [0,0.1) .. [0.9,1]"], rows)
+    rows = []
+    plan = study.plan
+    for name, setting in plan.compare.items():
+        rows.append([name] + [_fmt(study.stat(setting, plan.seeds, final_metric("distinct_correct_per_solved", p)), 2)
+                              for p in study.top_ps])
+    lines += ["Distinct correct answers per solved problem after training (mean ± std over seeds):", ""]
+    base_row = ["base model"] + [_value(study.base.get(p, {}).get("distinct_correct_per_solved"), 2) for p in study.top_ps]
+    lines += _table(["method"] + [_tp(p) for p in study.top_ps], [base_row] + rows)
+    return lines
+
+
+def _compare_rows(study: Study, kmax: Optional[int], top_p: float) -> List[List[str]]:
+    """One row per method (final held-out numbers at `top_p`) after one for the base model."""
+    plan = study.plan
+    b = study.base.get(top_p, {})
+    keys = ["reward/mean", "pass@1"] + ([f"pass@{kmax}", f"ucc@{kmax}"] if kmax else []) + ["ucr", "entropy"]
+    rows = [["base model", "-"] + [_value(b.get(k)) for k in keys] + ["-", "-"]]
+    for name, setting in plan.compare.items():
+        s = lambda extract: _fmt(study.stat(setting, plan.seeds, extract))  # noqa: E731
+        rows.append([name, str(len(study.group(setting, plan.seeds)))] + [s(final_metric(k, top_p)) for k in keys]
+                    + [s(entropy_retention), s(mean_over_training("policy/clip_frac"))])
     return rows
 
 
-def _sweep_rows(study: Study, sweep, axis_name: str) -> List[List[str]]:
+def _at_k_table(study: Study, settings: Dict[str, Any], seeds: Sequence[int], prefix: str, top_p: float) -> List[str]:
+    ks = sorted({k for s in settings.values() for run in study.group(s, seeds) for k in ks_of(run.final(top_p) or {}, prefix)})
+    if not ks:
+        return []
+    rows = [[label] + [_fmt(study.stat(s, seeds, final_metric(f"{prefix}{k}", top_p))) for k in ks]
+            for label, s in settings.items()]
+    base = study.base.get(top_p)
+    if base:
+        rows.insert(0, ["base model"] + [_value(base.get(f"{prefix}{k}")) for k in ks])
+    return _table(["setting"] + [f"k={k}" for k in ks], rows)
+
+
+def _sweep_lines(study: Study, sweep, axis_name: str, default: Any) -> List[str]:
+    p = study.claim_top_p
     rows = []
     for name, axis in sweep.items():
         for x, setting in sorted(axis.items()):
             s = lambda extract: study.stat(setting, study.plan.sweep_seeds, extract)  # noqa: E731
-            rows.append([name, f"{x:g}", _fmt(s(final_metric("reward/mean"))), _fmt(s(final_metric("entropy"))),
-                         _fmt(s(lambda r: mean_over_training(r, "policy/clip_frac"))),
-                         _fmt(s(lambda r: peak_over_training(r, "policy/kl_old")), 4)])
-    return rows
+            reward = s(final_metric("reward/mean", p))
+            rows.append([name, f"{x:g}", _fmt(reward),
+                         "-" if reward is None or reward.n < 2 else f"[{reward.low:.3f}, {reward.high:.3f}]",
+                         _fmt(s(final_metric("entropy", p))), _fmt(s(mean_over_training("policy/clip_frac"))),
+                         _fmt(s(peak_over_training("policy/kl_old")), 4)])
+    lines = _table(["method", axis_name, "final reward", "95% CI", "final entropy", "clip frac", "peak KL-to-old"], rows)
+    points = breaking_points(study, sweep, default)
+    tolerance = study.cfg.sweeps.tolerance
+    lines += [f"Largest {axis_name} up to which the mean final held-out reward stays within {tolerance:.0%} of its "
+              f"{axis_name} = {default:g} reward (every point before it too):", ""]
+    lines += _table(["method", f"largest {axis_name} within {tolerance:.0%}"],
+                    [[name, "-" if x is None else f"{x:g}"] for name, x in points.items()])
+    return lines
+
+
+def _info_lines(cfg, info: Dict[str, Any]) -> List[str]:
+    lines = []
+    total = info.get("total_wall_minutes")
+    if total is not None:
+        count = info.get("training_invocations", 1)
+        lines += [f"Wall time: {total:.1f} min over the {count} invocation(s) that trained runs, with {cfg.workers} "
+                  f"training processes at a time (budget {cfg.time_budget_minutes:g} min"
+                  + (", EXCEEDED" if total > cfg.time_budget_minutes else "") + ").", ""]
+    if info.get("collected_from"):
+        lines += [f"Runs collected from the sweep directory `{info['collected_from']}`.", ""]
+    if info.get("scale_note"):
+        lines += [f"**Scale.** {info['scale_note']}", ""]
+    return lines
 
 
 def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict[str, str],
                 info: Dict[str, Any]) -> str:
     cfg, plan = study.cfg, study.plan
     kmax = study.kmax()
+    ev = cfg.evaluation
     missing = [n for n in plan.runs if n not in study.runs]
     lines = [f"# QUATRO vs baselines at CPU scale: study `{cfg.name}`", "",
              f"{len(study.runs)} of {len(plan.runs)} runs finished"
              + (f" ({len(missing)} missing or failed: {', '.join(missing)})" if missing else "") + ". "
              f"Training config `{cfg.train_config}` with {' '.join(cfg.train_overrides) or 'no study-wide overrides'}; "
              f"default lr {plan.defaults.lr:g}, default K {plan.defaults.inner_loops}. Every method sees the same "
-             "prompts, rollout budget (prompts x responses per step, steps) and evaluation.", ""]
-    if info.get("wall_minutes") is not None:
-        total, count = info.get("total_wall_minutes"), info.get("training_invocations", 1)
-        spread = (f"; {total:.1f} min in all, over the {count} invocations that trained runs"
-                  if total is not None and count > 1 else "")
-        which = "the last invocation that trained runs" if info.get("report_rebuilt") else "this invocation"
-        lines += [f"Wall time of {which}: {info['wall_minutes']:.1f} min{spread}, with {cfg.workers} "
-                  f"training processes at a time (budget {cfg.time_budget_minutes:g} min).", ""]
-    if info.get("scale_note"):
-        lines += [f"**Scale.** {info['scale_note']}", ""]
-    lines += [f"Seeds: main comparison {plan.seeds}; sweeps {plan.sweep_seeds}; ablation {plan.ablation_seeds}; "
-              f"deltas {plan.delta_seeds}. Values are mean ± sample std over seeds. A difference counts when it "
-              f"exceeds {cfg.noise_z:g} standard error(s), from the seed-to-seed spread pooled over the main "
-              "comparison's methods. Verdicts: REPRODUCED (holds against every baseline), PARTLY (holds against "
-              "some, reversed against none), NOT REPRODUCED, NOT TESTED (runs missing).", "",
-              "## Claims", ""]
-    lines += _claim_lines(claims)
+             "prompts, rollout budget (prompts x responses per step, steps), evaluation and seeds; each method's "
+             "own hyper-parameters are its config's defaults (conf/algorithm/).", ""]
+    lines += _info_lines(cfg, info)
+    lines += [f"**Evaluation.** Each run's final policy on {ev.num_problems} held-out problems x {ev.n_samples} "
+              f"samples at temperature {ev.temperature:g} and top-p {', '.join(f'{p:g}' for p in ev.top_p)} (runs only "
+              f"in the sweeps or the ablation: {ev.sweep_n_samples or ev.n_samples} samples at top-p {ev.top_p[0]:g}, "
+              "their claims use held-out reward alone); the same sampling noise for every run; the base model "
+              f"evaluated once. Claims on held-out metrics are decided at top-p {study.claim_top_p:g}.", "",
+              f"**Statistics.** Seeds: main comparison {plan.seeds}; sweeps {plan.sweep_seeds}; ablation "
+              f"{plan.ablation_seeds}; deltas {plan.delta_seeds}. Each effect is a per-seed difference between runs with "
+              "the same seed (same warm-start, prompt order and evaluation draw), tested with a paired t test over "
+              "seeds (95% interval), its two-sided p-value Holm-corrected over the comparisons of its claim; "
+              f"significant at Holm p < {cfg.alpha:g}. Verdicts: REPRODUCED (significant for the claim against every "
+              "baseline), PARTLY (against some, significantly opposed by none), NOT REPRODUCED (a significant effect "
+              "in the opposite direction), INCONCLUSIVE (no significant difference), NOT TESTED (runs missing). "
+              "Tables show mean ± std over seeds.", ""]
+    convergence = plateau(study)
+    if convergence:
+        lines += [f"**Run length.** {convergence['steps']} rollout steps per run. Plateau criterion: the best method "
+                  f"({convergence['method']}, highest final held-out reward) changes its rollout reward by at most "
+                  f"{convergence['tolerance']:g} over the last quarter of training (least-squares line through the mean "
+                  f"over seeds): {convergence['last_quarter_change']:+.4f}, "
+                  + ("plateaued." if convergence["plateaued"] else "NOT plateaued: longer runs may change the picture.")
+                  , ""]
+    lines += ["## Claims", ""] + _claim_lines(claims)
+    lines += _testbed_lines(study)
     lines += ["## 1-3. Main comparison (default settings)", ""]
     twins = identical_methods(study)
     if twins:
         lines += ["**Identical results.** " + ", ".join(f"{a} = {b}" for a, b in twins) + ": these methods ended "
-                  "with the same held-out numbers for every seed. Likely cause: with K = 1 and one optimizer step per "
-                  "rollout batch every update is on-policy (all ratios 1, nothing clipped), where these losses have "
-                  "the same gradient; they differ only off-policy (see the sweeps).", ""]
-    header = ["method", "seeds", "base reward", "final reward", "pass@1"]
-    if kmax:
-        header += [f"pass@{kmax}", f"ucc@{kmax}"]
-    header += ["UCR", "final entropy", "entropy last/first", "clip frac"]
-    lines += _table(header, _compare_rows(study, kmax))
-    if kmax:
-        ks = ks_of(next(iter(study.runs.values())).final, "pass@") if study.runs else []
-        rows = [[name] + [_fmt(study.stat(s, plan.seeds, final_metric(f"pass@{k}"))) for k in ks]
-                for name, s in plan.compare.items()]
-        lines += ["Held-out Pass@k:", ""] + _table(["method"] + [f"k={k}" for k in ks], rows)
-        rows = [[name] + [_fmt(study.stat(s, plan.seeds, final_metric(f"ucc@{k}"))) for k in ks]
-                for name, s in plan.compare.items()]
-        lines += ["Held-out UCC@k:", ""] + _table(["method"] + [f"k={k}" for k in ks], rows)
-    for key in ("pass_at_k", "ucc_at_k", "training"):
+                  "with the same held-out numbers for every seed (same gradient when every update is on-policy).", ""]
+    for top_p in study.top_ps:
+        header = ["method", "seeds", "final reward", "pass@1"] + ([f"pass@{kmax}", f"ucc@{kmax}"] if kmax else []) \
+            + ["UCR", "final entropy", "entropy last/first", "clip frac"]
+        lines += [f"Final held-out numbers, {_tp(top_p)}:", ""] + _table(header, _compare_rows(study, kmax, top_p))
+    for top_p in study.top_ps:
+        lines += [f"Held-out Pass@k, {_tp(top_p)}:", ""] + _at_k_table(study, plan.compare, plan.seeds, "pass@", top_p)
+        lines += [f"Held-out UCC@k, {_tp(top_p)}:", ""] + _at_k_table(study, plan.compare, plan.seeds, "ucc@", top_p)
+    for key in ("pass_at_k", "ucc_at_k", "frontier", "training"):
         if key in figures:
             lines += [f"![{key}]({figures[key]})", ""]
     lines += ["## 4. Stability sweeps", "",
               "One axis at a time from the default: inner loops K at the default learning rate, and learning-rate "
-              "multipliers at K = 1. 'clip frac': mean fraction of clipped ratios over training (methods that clip).",
-              ""]
-    sweep_header = ["method", "", "final reward", "final entropy", "clip frac", "peak KL-to-old"]
-    lines += ["### Inner loops K", ""] + _table([sweep_header[0], "K"] + sweep_header[2:],
-                                                 _sweep_rows(study, plan.sweep_inner, "K"))
+              "multipliers at K = 1. Each point uses its own seeds; 95% CI: t interval over them. 'clip frac': mean "
+              "fraction of clipped ratios over training (methods that clip).", ""]
+    lines += ["### Inner loops K", ""] + _sweep_lines(study, plan.sweep_inner, "K", 1)
     if "stability_inner_loops" in figures:
         lines += [f"![inner loops]({figures['stability_inner_loops']})", ""]
-    lines += ["### Learning rate", ""] + _table([sweep_header[0], "lr x"] + sweep_header[2:],
-                                                _sweep_rows(study, plan.sweep_lr, "lr"))
+    lines += ["### Learning rate", ""] + _sweep_lines(study, plan.sweep_lr, "lr x", 1.0)
     if "stability_lr" in figures:
         lines += [f"![learning rate]({figures['stability_lr']})", ""]
     lines += [f"## 5. Log-ratio ablation (delta = {cfg.ablation.delta:g}, K = {cfg.ablation.inner_loops})", ""]
     rows = []
     for g, s in plan.ablation.items():
         st = lambda extract: study.stat(s, plan.ablation_seeds, extract)  # noqa: E731
-        rows.append([g, _fmt(st(final_metric("reward/mean"))), _fmt(st(lambda r: mean_over_training(r, "policy/kl_old")), 4),
-                     _fmt(st(lambda r: peak_over_training(r, "policy/kl_old")), 4), _fmt(st(final_metric("entropy")))])
+        rows.append([g, _fmt(st(final_metric("reward/mean", study.claim_top_p))),
+                     _fmt(st(mean_over_training("policy/kl_old")), 4), _fmt(st(peak_over_training("policy/kl_old")), 4),
+                     _fmt(st(final_metric("entropy", study.claim_top_p)))])
     lines += _table(["log_ratio", "final reward", "mean KL-to-old", "peak KL-to-old", "final entropy"], rows)
     if "logratio_ablation" in figures:
         lines += [f"![log-ratio ablation]({figures['logratio_ablation']})", ""]
-    lines += ["## 6. QUATRO diagnostics", "", "### lambda over training", ""]
-    rows = [[f"{d:g}", _fmt(study.stat(s, plan.delta_seeds, lambda r: mean_over_training(r, "quatro/lambda/mean")), 4),
-             _fmt(study.stat(s, plan.delta_seeds, lambda r: mean_over_training(r, "quatro/tr_inactive_frac")))]
-            for d, s in sorted(plan.deltas.items())]
-    lines += _table(["delta", "mean lambda* (over training)", "inactive TR fraction"], rows)
-    if "lambda" in figures:
-        lines += [f"![lambda]({figures['lambda']})", ""]
+    lines += _delta_lines(study, figures)
     lines += ["### Advantage vs number of correct responses (exact, binary rewards)", ""]
+    lines += _advantage_lines(advantages, figures)
+    lines += ["## Each method's own settings (the same in every part of the study)", ""]
+    lines += _table(["method", "fields (conf/algorithm/<name>.yaml)"],
+                    [[name, ", ".join(f"{k}={v}" for k, v in sorted(fields.items()) if k != "name")]
+                     for name, fields in sorted(plan.defaults.algorithm_fields.items())])
+    return "\n".join(lines)
+
+
+def _advantage_lines(advantages, figures: Dict[str, str]) -> List[str]:
     deltas = sorted(advantages)
     cs = advantages[deltas[0]]["c"]
     rows = [[c] + [f"{advantages[d]['a_correct'][i]:.3f} / {advantages[d]['a_wrong'][i]:.3f}" for d in deltas]
             for i, c in enumerate(cs)]
-    lines += _table(["c correct"] + [f"delta={d:g}: A(correct) / A(wrong)" for d in deltas], rows)
-    lines += [f"![advantage vs correct]({figures['advantage_vs_correct']})", ""]
-    return "\n".join(lines)
+    return (_table(["c correct"] + [f"delta={d:g}: A(correct) / A(wrong)" for d in deltas], rows)
+            + [f"![advantage vs correct]({figures['advantage_vs_correct']})", ""])
+
+
+def _delta_lines(study: Study, figures: Dict[str, str]) -> List[str]:
+    """The delta trade-off: accuracy and diversity per trust-region radius (App. C.1)."""
+    plan = study.plan
+    seeds = plan.delta_seeds
+    settings = {f"delta={d:g}": s for d, s in sorted(plan.deltas.items())}
+    lines = ["## 6. QUATRO's trust region: the delta trade-off", "",
+             "QUATRO at each delta (other settings at their defaults). With N responses per prompt the trust region "
+             "is inactive for a prompt when delta >= log(N / (N - c)) for its c correct answers; "
+             "'inactive TR fraction' is the measured share of such prompts over training.", ""]
+    p = study.claim_top_p
+    rows = [[label, _fmt(study.stat(s, seeds, mean_over_training("quatro/lambda/mean")), 4),
+             _fmt(study.stat(s, seeds, mean_over_training("quatro/tr_inactive_frac"))),
+             _fmt(study.stat(s, seeds, final_metric("reward/mean", p))),
+             _fmt(study.stat(s, seeds, final_metric("entropy", p))),
+             _fmt(study.stat(s, seeds, final_metric("distinct_correct_per_solved", p)), 2)]
+            for label, s in settings.items()]
+    lines += _table(["delta", "mean lambda* (training)", "inactive TR fraction", f"final reward ({_tp(p)})",
+                     "final entropy", "distinct correct per solved"], rows)
+    for top_p in study.top_ps:
+        lines += [f"Pass@k per delta, {_tp(top_p)}:", ""] + _at_k_table(study, settings, seeds, "pass@", top_p)
+        lines += [f"UCC@k per delta, {_tp(top_p)}:", ""] + _at_k_table(study, settings, seeds, "ucc@", top_p)
+    if "lambda" in figures:
+        lines += [f"![lambda]({figures['lambda']})", ""]
+    return lines
 
 
 def write_study_report(study: Study, claims: Sequence[Claim], advantages, out_dir: str,
@@ -299,6 +448,9 @@ def write_study_report(study: Study, claims: Sequence[Claim], advantages, out_di
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write(markdown)
     summary = {"study": study.cfg.name, "info": info, "claims": claims_to_json(claims),
+               "plateau": plateau(study),
+               "breaking_points": {"inner_loops": breaking_points(study, study.plan.sweep_inner, 1),
+                                   "lr_multiplier": breaking_points(study, study.plan.sweep_lr, 1.0)},
                "runs": {name: {"finished": name in study.runs, "overrides": list(spec.overrides)}
                         for name, spec in study.plan.runs.items()},
                "advantages": {str(d): t for d, t in advantages.items()}}

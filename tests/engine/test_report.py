@@ -18,10 +18,12 @@ def test_report_compares_base_and_final_and_buckets_by_base_difficulty(tmp_path)
         {"step": 2, "kind": "train", "reward/mean": 0.5, "entropy": 1.2, "time/step": 4.0},
         {"step": 2, "kind": "eval", "reward/mean": 0.5, "pass@1": 0.5, "entropy": 1.0, "num_problems": 3, "n_samples": n},
     ])
-    base = [{"id": "a", "num_correct": 0, "rewards": [0] * n}, {"id": "b", "num_correct": 1, "rewards": [1, 0, 0, 0]},
-            {"id": "c", "num_correct": 4, "rewards": [1] * n}]
-    final = [{"id": "a", "num_correct": 2, "rewards": [1, 1, 0, 0]}, {"id": "b", "num_correct": 0, "rewards": [0] * n},
-             {"id": "c", "num_correct": 4, "rewards": [1] * n}]
+    base = [{"id": "a", "num_correct": 0, "rewards": [0] * n, "cluster_sizes": []},
+            {"id": "b", "num_correct": 1, "rewards": [1, 0, 0, 0], "cluster_sizes": [1]},
+            {"id": "c", "num_correct": 4, "rewards": [1] * n, "cluster_sizes": [2, 1, 1]}]
+    final = [{"id": "a", "num_correct": 2, "rewards": [1, 1, 0, 0], "cluster_sizes": [2]},
+             {"id": "b", "num_correct": 0, "rewards": [0] * n, "cluster_sizes": []},
+             {"id": "c", "num_correct": 4, "rewards": [1] * n, "cluster_sizes": [4]}]
     _write_jsonl(tmp_path / "eval" / "samples_step000000.jsonl", base)
     _write_jsonl(tmp_path / "eval" / "samples_step000002.jsonl", final)
     cfg = types.SimpleNamespace(algorithm_name="quatro",
@@ -39,3 +41,6 @@ def test_report_compares_base_and_final_and_buckets_by_base_difficulty(tmp_path)
     assert "| 1 | 0 | 1 | 0 | 0 | 0 | 0 | 0 | 0 | 1 |" in text
     assert "1 of 3 prompts never solved, 1 always solved." in text
     assert "mean step time: 3.0000 s" in text
+    # distinct correct per solved problem: base (1 + 3) / 2 solved, trained (1 + 1) / 2 solved
+    assert summary["distinct_correct_per_solved"] == {"base": 2.0, "final": 1.0}
+    assert "base 2.0000, trained 1.0000" in text

@@ -1,51 +1,73 @@
-"""The study's aggregation and claim logic on hand-made metrics files (no training), and the
+"""The study's aggregation and claim logic on hand-made kept metrics (no training), and the
 exact advantage-vs-correct table against the reference values of quatro-math.md Sec. 3."""
 import json
 import math
 import os
+import zlib
 
 import numpy as np
 import pytest
 
-from quatro_nemo.study.analysis import (HOLDS, NOT_REPRODUCED, NOT_TESTED, PARTLY, REPRODUCED, REVERSED, WITHIN_NOISE,
-                                        Study, advantage_table, claim_advantage_vs_correct, evaluate_claims,
-                                        load_runs, outcome, pooled_std, verdict_of, Comparison)
+from quatro_nemo.study.analysis import (BASE, EVAL_KIND, Study, advantage_table, archive_path, breaking_point,
+                                        claim_advantage_vs_correct, evaluate_claims, load_base, load_runs,
+                                        write_archive)
 from quatro_nemo.study.config import study_config_from_dict
 from quatro_nemo.study.plan import build_plan
 from quatro_nemo.study.report import to_markdown, write_study_report
-from quatro_nemo.study.runner import run_dir
+from quatro_nemo.study.stats import (INCONCLUSIVE, NOT_REPRODUCED, NOT_TESTED, OPPOSES, REPRODUCED,
+                                     NOT_SIGNIFICANT)
 
 KS = [1, 2, 4, 8, 16]
 STEPS = 4
+TOP_PS = [0.7, 1.0]
 
 
 def small_study(**extra):
     values = dict(name="handmade", algorithms=["quatro", "grpo", "gspo"], seeds=[1, 2],
-                  sweeps=dict(algorithms=["quatro", "gspo"], inner_loops=[1, 4], lr_multipliers=[1, 16], seeds=[1]),
-                  ablation=dict(delta=0.1, inner_loops=2, log_ratios=["seq_sum", "none"], seeds=[1]),
-                  deltas=dict(values=[0.02, 0.1], seeds=[1]))
+                  sweeps=dict(algorithms=["quatro", "gspo"], inner_loops=[1, 4], lr_multipliers=[1, 16], seeds=[1, 2]),
+                  ablation=dict(delta=0.1, inner_loops=2, log_ratios=["seq_sum", "none"], seeds=[1, 2]),
+                  deltas=dict(values=[0.02, 0.1], seeds=[1, 2]),
+                  evaluation=dict(num_problems=4, n_samples=16, top_p=TOP_PS, sweep_n_samples=8))
     values.update(extra)
     cfg = study_config_from_dict(values)
     return cfg, build_plan(cfg)
 
 
-def write_run(directory, final, train, base=None):
-    """A finished run as the engine writes it: metrics.jsonl (eval at 0 and at the end) + report.json."""
-    os.makedirs(directory, exist_ok=True)
-    base = base or {"reward/mean": 0.3, "entropy": 0.5, **{f"pass@{k}": 0.5 for k in KS}}
-    records = [dict(step=0, kind="eval", **base)]
-    records += [dict(step=s, kind="train", **row) for s, row in enumerate(train, start=1)]
-    records.append(dict(step=len(train), kind="eval", **final))
-    with open(os.path.join(directory, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    with open(os.path.join(directory, "report.json"), "w") as f:
-        json.dump({}, f)
+def eval_records(final, step, full=True):
+    """The study evaluation's records with the given metrics: one per top-p with 16 samples, or
+    (a run only in the sweeps or the ablation) 8 samples at the first top-p, so k <= 8."""
+    n = 16 if full else 8
+    extra = {"num_correct": [0, 4, 8, n], "num_distinct": [0, 2, 3, 4], "n_samples": n, "num_problems": 4,
+             "solved_fraction": 0.75, "distinct_correct_per_solved": 3.0}
+    final = {k: v for k, v in final.items() if "@" not in k or int(k.split("@")[1]) <= n}
+    return [dict(extra, kind=EVAL_KIND, step=step, top_p=p, **final) for p in (TOP_PS if full else TOP_PS[:1])]
+
+
+def jitter(name, values):
+    """Up to +-5e-5 of run noise on every metric, different per run: equal per-seed differences
+    would be untestable (no spread), as they are for the study."""
+    def noise(key):
+        return 1e-4 * (zlib.crc32(f"{name}/{key}".encode()) % 1000 / 1000 - 0.5)
+    return {k: v + noise(k) if isinstance(v, float) else v for k, v in values.items()}
+
+
+def write_run(study_dir, name, final, train, full=True):
+    """A run's kept metrics as the study writes them: train records + study evaluation records."""
+    records = [dict(step=s, kind="train", **jitter(name, row)) for s, row in enumerate(train, start=1)]
+    write_archive(archive_path(study_dir, name), records + eval_records(jitter(name, final), len(train), full))
 
 
 def fill(study_dir, plan, final_of, train_of):
-    """Write every run of the plan with metrics from final_of(spec) / train_of(spec)."""
+    """Write every run of the plan with metrics from final_of(spec) / train_of(spec), and the base model."""
+    write_archive(archive_path(study_dir, BASE),
+                  eval_records({"reward/mean": 0.3, "entropy": 0.5, "ucr": 0.1,
+                                **{f"pass@{k}": 0.5 for k in KS}, **{f"ucc@{k}": 0.5 for k in KS}}, 0))
     for name, spec in plan.runs.items():
-        write_run(run_dir(study_dir, name), final_of(spec), train_of(spec))
+        write_run(study_dir, name, final_of(spec), train_of(spec), plan.needs_full_evaluation(spec))
+
+
+def load(study_dir, cfg, plan):
+    return Study(cfg, plan, load_runs(study_dir, list(plan.runs)), load_base(study_dir))
 
 
 def quatro_wins_final(spec):
@@ -53,7 +75,7 @@ def quatro_wins_final(spec):
     Sweeps: QUATRO flat in K and lr; GSPO loses 0.2 reward at K=4 and 0.3 at lr x16.
     Ablation: without the log-ratio term the reward is 0.2 lower."""
     s = spec.setting
-    noise = 0.01 if spec.seed == 1 else -0.01
+    noise = 0.01 if spec.seed == 1 else -0.01      # a seed effect shared by all methods (paired away)
     good = s.algorithm == "quatro"
     final = {f"pass@{k}": (0.5 + 0.05 * math.log2(k) * (2.0 if good else 1.0)) + noise for k in KS}
     final.update({f"ucc@{k}": (1.0 + 0.3 * math.log2(k) * (2.0 if good else 1.0)) + noise for k in KS})
@@ -88,8 +110,7 @@ def quatro_wins_train(spec):
 def quatro_wins(tmp_path):
     cfg, plan = small_study()
     fill(str(tmp_path), plan, quatro_wins_final, quatro_wins_train)
-    runs = load_runs({n: run_dir(str(tmp_path), n) for n in plan.runs})
-    return cfg, plan, Study(cfg, plan, runs)
+    return cfg, plan, load(str(tmp_path), cfg, plan)
 
 
 def claims_by_id(study, n=8):
@@ -100,21 +121,26 @@ def claims_by_id(study, n=8):
 def test_every_claim_reproduces_when_the_metrics_say_so(quatro_wins):
     cfg, plan, study = quatro_wins
     claims = claims_by_id(study)
-    assert set(claims) == {"passk_at_kmax", "passk_gain_grows_with_k", "ucc_at_kmax", "ucr", "entropy_final",
+    # UCR is reported beside UCC@k (UCR = UCC@n / n at k = n), not as a claim of its own
+    assert set(claims) == {"passk_at_kmax", "passk_gain_grows_with_k", "ucc_at_kmax", "entropy_final",
                            "entropy_stable", "stability_inner_loops", "stability_lr", "logratio_ablation",
                            "lambda_vs_delta", "advantage_vs_correct"}
     for claim in claims.values():
         assert claim.verdict == REPRODUCED, (claim.id, claim.summary, claim.comparisons)
-    # the numbers behind one verdict, recomputed by hand: QUATRO pass@16 = 0.5 + 0.05*4*2 = 0.9 and
-    # a baseline's 0.7 (seed noise +-0.01 cancels in the means); pooled seed std = sqrt(2 * 0.01^2)
+    assert study.kmax() == 16               # the sweep-only runs' smaller evaluation does not lower it
+    # the numbers behind one verdict, by hand: QUATRO pass@16 = 0.5 + 0.05*4*2 = 0.9 and a
+    # baseline's 0.7; the seed effect +-0.01 is the same for both methods, so every per-seed
+    # difference is 0.2 up to the runs' +-1e-3 noise
     gspo = next(c for c in claims["passk_at_kmax"].comparisons if c.label == "gspo")
-    assert gspo.diff == pytest.approx(0.2)
-    assert gspo.se == pytest.approx(np.std([0.01, -0.01], ddof=1) * math.sqrt(1 / 2 + 1 / 2))
-    # stability: GSPO's drop (0.2) minus QUATRO's (0)
+    assert gspo.test.mean == pytest.approx(0.2, abs=2e-3)
+    assert gspo.test.differences == pytest.approx([0.2, 0.2], abs=2e-3)
+    ucc = next(c for c in claims["ucc_at_kmax"].comparisons if c.label == "gspo")
+    assert ucc.detail["UCR quatro"] == pytest.approx(0.3, abs=1e-3) and ucc.detail["UCR gspo"] == pytest.approx(0.1, abs=1e-3)
+    # stability: GSPO's loss along the axis (0.2 at K = 4) minus QUATRO's (0)
     k = next(c for c in claims["stability_inner_loops"].comparisons if c.label == "gspo")
-    assert k.diff == pytest.approx(0.2)
+    assert k.test.mean == pytest.approx(0.2, abs=4e-3)
     lr = next(c for c in claims["stability_lr"].comparisons if c.label == "gspo")
-    assert lr.diff == pytest.approx(0.3)
+    assert lr.test.mean == pytest.approx(0.3, abs=4e-3)
 
 
 def test_claims_fail_when_quatro_loses(tmp_path):
@@ -124,33 +150,32 @@ def test_claims_fail_when_quatro_loses(tmp_path):
         out = quatro_wins_final(spec)
         if spec.setting.algorithm == "quatro":     # swap roles: QUATRO now the worst at every k
             out.update({f"pass@{k}": 0.4 + (0.01 if spec.seed == 1 else -0.01) for k in KS})
-            out["entropy"] = 0.1
+            out["entropy"] = 0.1 + (0.01 if spec.seed == 1 else -0.01)   # the shared seed effect
         return out
 
     fill(str(tmp_path), plan, final, quatro_wins_train)
-    study = Study(cfg, plan, load_runs({n: run_dir(str(tmp_path), n) for n in plan.runs}))
-    claims = claims_by_id(study)
+    claims = claims_by_id(load(str(tmp_path), cfg, plan))
     assert claims["passk_at_kmax"].verdict == NOT_REPRODUCED
-    assert all(c.outcome == REVERSED for c in claims["passk_at_kmax"].comparisons)
+    assert all(c.outcome == OPPOSES for c in claims["passk_at_kmax"].comparisons)
     assert claims["passk_gain_grows_with_k"].verdict == NOT_REPRODUCED
     assert claims["entropy_final"].verdict == NOT_REPRODUCED
     assert claims["ucc_at_kmax"].verdict == REPRODUCED        # untouched metrics keep their verdicts
 
 
-def test_differences_inside_the_seed_noise_do_not_count(tmp_path):
+def test_differences_inside_the_run_noise_are_inconclusive(tmp_path):
     cfg, plan = small_study()
 
     def final(spec):
         out = quatro_wins_final(spec)
-        spread = 0.3 if spec.seed == 1 else -0.3      # huge seed noise, same small QUATRO edge
-        out.update({f"pass@{k}": 0.5 + spread + (0.02 if spec.setting.algorithm == "quatro" else 0.0) for k in KS})
+        # run noise that differs between methods of the same seed, and a small QUATRO edge
+        wobble = 0.3 * (1 if spec.seed == 1 else -1) * (1 if spec.setting.algorithm == "quatro" else -1)
+        out.update({f"pass@{k}": 0.5 + wobble + (0.02 if spec.setting.algorithm == "quatro" else 0.0) for k in KS})
         return out
 
     fill(str(tmp_path), plan, final, quatro_wins_train)
-    study = Study(cfg, plan, load_runs({n: run_dir(str(tmp_path), n) for n in plan.runs}))
-    claim = claims_by_id(study)["passk_at_kmax"]
-    assert [c.outcome for c in claim.comparisons] == [WITHIN_NOISE, WITHIN_NOISE]
-    assert claim.verdict == NOT_REPRODUCED
+    claim = claims_by_id(load(str(tmp_path), cfg, plan))["passk_at_kmax"]
+    assert [c.outcome for c in claim.comparisons] == [NOT_SIGNIFICANT, NOT_SIGNIFICANT]
+    assert claim.verdict == INCONCLUSIVE
 
 
 def test_missing_runs_are_not_tested_and_reported(tmp_path):
@@ -158,8 +183,8 @@ def test_missing_runs_are_not_tested_and_reported(tmp_path):
     fill(str(tmp_path), plan, quatro_wins_final, quatro_wins_train)
     for name in plan.runs:                      # lose every ablation "none" and GSPO sweep run
         if "log_ratio_none" in name or name.startswith("gspo-K4") or name.startswith("gspo-K1-lr16"):
-            os.remove(os.path.join(run_dir(str(tmp_path), name), "report.json"))
-    study = Study(cfg, plan, load_runs({n: run_dir(str(tmp_path), n) for n in plan.runs}))
+            os.remove(archive_path(str(tmp_path), name))
+    study = load(str(tmp_path), cfg, plan)
     claims = claims_by_id(study)
     assert claims["logratio_ablation"].verdict == NOT_TESTED
     assert claims["stability_inner_loops"].verdict == NOT_TESTED
@@ -179,28 +204,20 @@ def test_report_states_each_claim_with_numbers(quatro_wins, tmp_path):
     for claim in claims:
         assert f"| {claim.id} |" in text
     assert "0.900 ± 0.014" in text            # QUATRO pass@16 mean ± std over the two seeds
-    assert "this invocation: 1.5 min; 4.2 min in all, over the 2 invocations" in text
-    assert {"stability_inner_loops", "stability_lr", "logratio_ablation"} <= set(paths)
-    for figure in ("pass_at_k", "ucc_at_k", "training", "lambda", "advantage_vs_correct"):
+    assert "Wall time: 4.2 min over the 2 invocation(s)" in text
+    assert "| top-p 0.7 | 0.300 | 0.750 | 3.00 |" in text       # the base model's testbed row
+    assert {"stability_inner_loops", "stability_lr", "logratio_ablation", "frontier"} <= set(paths)
+    for figure in ("pass_at_k", "ucc_at_k", "training", "lambda", "advantage_vs_correct", "frontier"):
         assert os.path.getsize(paths[figure]) > 1000
     summary = json.load(open(paths["json"]))
     assert {c["id"]: c["verdict"] for c in summary["claims"]} == {c.id: c.verdict for c in claims}
 
 
-def test_pooled_std_and_outcome_against_numpy():
-    groups = [[1.0, 2.0, 4.0], [3.0, 3.5], [7.0]]            # the singleton carries no spread
-    expected = math.sqrt((2 * np.var(groups[0], ddof=1) + 1 * np.var(groups[1], ddof=1)) / 3)
-    assert pooled_std(groups) == pytest.approx(expected)
-    assert pooled_std([[1.0], [2.0]]) is None
-    assert outcome(0.3, 0.1, 2.0) == HOLDS and outcome(-0.3, 0.1, 2.0) == REVERSED
-    assert outcome(0.15, 0.1, 2.0) == WITHIN_NOISE
-    held = Comparison("a", 1, None, HOLDS)
-    noise = Comparison("b", 0, None, WITHIN_NOISE)
-    rev = Comparison("c", -1, None, REVERSED)
-    assert verdict_of([held, held]) == REPRODUCED
-    assert verdict_of([held, noise]) == PARTLY
-    assert verdict_of([held, rev]) == NOT_REPRODUCED
-    assert verdict_of([]) == NOT_TESTED
+def test_breaking_point_by_hand():
+    means = {1.0: 0.5, 2.0: 0.48, 3.0: 0.46, 4.0: 0.40, 6.0: 0.47, 8.0: 0.1}
+    assert breaking_point(means, 1.0, 0.9) == 3.0        # 0.40 < 0.45 at x4: later recoveries do not count
+    assert breaking_point(means, 1.0, 0.25) == 6.0
+    assert breaking_point({2.0: 0.3}, 1.0, 0.9) is None   # no default point
 
 
 @pytest.mark.parametrize("delta, c, lam, a_correct, a_wrong", [
@@ -222,10 +239,10 @@ def test_advantage_claim_checks_the_figure_properties():
 
 
 def test_training_curves_skip_the_infinities_metrics_jsonl_logs_as_strings():
-    # engine.logging writes +-inf as "inf" / "-inf" (a diverging lr x16 run); the curve statistics
-    # must skip them as stat() does, not fail on a string.
+    # engine.logging writes +-inf as "inf" / "-inf" (a diverging run); the curve statistics
+    # must skip them, not fail on a string.
     from quatro_nemo.study.analysis import RunData, mean_over_training, peak_over_training
-    run = RunData("r", [{"step": 0}], [{"step": 1, "policy/kl_old": 0.5}, {"step": 2, "policy/kl_old": "inf"},
-                                      {"step": 3, "policy/kl_old": 1.5}, {"step": 4, "policy/kl_old": None}])
-    assert mean_over_training(run, "policy/kl_old") == pytest.approx(1.0)
-    assert peak_over_training(run, "policy/kl_old") == 1.5
+    run = RunData("r", {}, [{"step": 1, "policy/kl_old": 0.5}, {"step": 2, "policy/kl_old": "inf"},
+                            {"step": 3, "policy/kl_old": 1.5}, {"step": 4, "policy/kl_old": None}])
+    assert mean_over_training("policy/kl_old")(run) == pytest.approx(1.0)
+    assert peak_over_training("policy/kl_old")(run) == 1.5

@@ -1,5 +1,6 @@
 """The study's run list: settings shared between parts, overrides from the composed defaults,
 config validation naming the key, and the SLURM sweep file as slurm/lib/common.sh reads it."""
+import math
 import os
 import subprocess
 
@@ -8,7 +9,7 @@ import pytest
 from quatro_nemo.algos import ALGORITHMS
 from quatro_nemo.engine.config import load_config
 from quatro_nemo.study.config import StudyConfigError, load_study_config, study_config_from_dict
-from quatro_nemo.study.plan import build_plan, sweep_lines
+from quatro_nemo.study.plan import build_plan, sweep_lines, train_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -95,6 +96,10 @@ def test_sweep_file_is_read_by_the_slurm_library(tmp_path):
     (dict(deltas=dict(values=[0.1])), "deltas.values"),
     (dict(train_overrides=["run.seed=3"]), "train_overrides[0]"),
     (dict(workers=0), "workers"),
+    (dict(alpha=1.5), "alpha"),
+    (dict(evaluation=dict(top_p=[0.7, 0.7])), "evaluation.top_p"),
+    (dict(evaluation=dict(n_samples=16, sweep_n_samples=32)), "evaluation.sweep_n_samples"),
+    (dict(sweeps=dict(tolerance=0.0)), "sweeps.tolerance"),
     (dict(sweeps=dict(inner_lops=[1])), "sweeps.inner_lops"),
     (dict(colour="red"), "colour"),
 ])
@@ -107,7 +112,21 @@ def test_invalid_study_configs_name_the_key(values, key):
 def test_shipped_study_configs_cover_every_algorithm(name):
     cfg = load_study_config(name)
     assert sorted(cfg.algorithms) == sorted(ALGORITHMS)
-    assert len(cfg.seeds) >= (2 if name == "quick" else 3)
-    if name == "full":
-        assert cfg.sweeps.inner_loops == [1, 2, 4, 8] and cfg.sweeps.lr_multipliers == [1, 4, 16]
-    build_plan(cfg)   # every run's overrides compose
+    # a paired test needs two seeds in every part
+    for seeds in (cfg.seeds, cfg.sweeps.seeds, cfg.ablation.seeds, cfg.deltas.seeds):
+        assert len(seeds) >= 2
+    # trust-region radii on both sides of log(N / (N - 1)), where the region becomes inactive
+    n = load_config(cfg.train_overrides).rollout.n
+    assert min(cfg.deltas.values) < math.log(n / (n - 1)) < max(cfg.deltas.values)
+    assert len(cfg.evaluation.top_p) >= 2 and cfg.evaluation.top_p[0] == 0.7
+    plan = build_plan(cfg)   # every run's overrides compose
+    if name == "full":       # issue 16
+        assert len(cfg.seeds) >= 5 and len(cfg.sweeps.seeds) >= 3 and len(cfg.deltas.seeds) >= 3
+        assert sorted(cfg.sweeps.algorithms) == sorted(ALGORITHMS)
+        assert cfg.sweeps.inner_loops == [1, 2, 4, 8] and cfg.sweeps.lr_multipliers == [1, 2, 3, 4, 6, 8]
+        assert cfg.evaluation.n_samples == 128 and set(cfg.evaluation.top_p) == {0.7, 1.0}
+        assert load_config(list(cfg.train_overrides)).trainer.steps >= 80
+        assert cfg.time_budget_minutes <= 150
+    # the loop's own evaluation is off in every run: the study evaluates (and the base model once)
+    assert all(load_config(list(train_args(cfg)) + list(spec.overrides)).eval.num_problems == 0
+               for spec in list(plan.runs.values())[:3])

@@ -9,7 +9,10 @@ from quatro_nemo.study.plan import RunSpec, Setting
 
 STANDIN = textwrap.dedent('''
     import json, os, sys
-    args = dict(a.split("=", 1) for a in sys.argv[1:])
+    argv = sys.argv[1:]
+    evaluate = argv[argv.index("--evaluate") + 1:] if "--evaluate" in argv else None
+    argv = argv[:argv.index("--evaluate")] if evaluate is not None else argv
+    args = dict(a.split("=", 1) for a in argv)
     run_dir = args["run.dir"]
     if args.get("fail") == "yes":
         sys.exit(3)
@@ -17,6 +20,8 @@ STANDIN = textwrap.dedent('''
         json.dump({"master_port": os.environ.get("MASTER_PORT"), "threads": os.environ.get("OMP_NUM_THREADS"),
                    "args": sys.argv[1:]}, f)
     open(os.path.join(run_dir, "report.json"), "w").write("{}")
+    if evaluate is not None:
+        json.dump(evaluate, open(os.path.join(run_dir, "study_eval.jsonl"), "w"))
 ''')
 
 
@@ -41,6 +46,7 @@ def test_execute_skips_done_runs_reports_failures_and_isolates_runs(tmp_path, mo
     assert status == {done_before.name: "skipped", specs[1].name: "done", specs[2].name: "done",
                       specs[3].name: "failed"}
     assert next(r for r in results if r.status == "failed").returncode == 3
+    assert all(r.cpu_seconds > 0 for r in results if r.status != "skipped")   # from the process's rusage
     assert any("FAILED (exit 3)" in m for m in messages)
     seen = json.load(open(os.path.join(runner.run_dir(study_dir, specs[1].name), "seen.json")))
     assert seen["master_port"] is None and seen["threads"] == "1"
@@ -51,13 +57,37 @@ def test_execute_skips_done_runs_reports_failures_and_isolates_runs(tmp_path, mo
     assert {r.status for r in again} == {"skipped"}
 
 
+def test_with_evaluation_a_run_is_done_once_evaluated(tmp_path, monkeypatch):
+    # With evaluation the process is the study job (training + evaluation); a run trained
+    # before (report.json) but never evaluated is not skipped.
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    monkeypatch.setattr(runner, "JOB", [str(script)])
+    study_dir = str(tmp_path / "study")
+    trained = spec("quatro", 1)
+    os.makedirs(runner.run_dir(study_dir, trained.name))
+    open(os.path.join(runner.run_dir(study_dir, trained.name), "report.json"), "w").write("{}")
+    results = runner.execute([trained, spec("grpo", 1)], study_dir, ["config=config"], workers=2,
+                             log=lambda m: None, poll_s=0.05,
+                             evaluation_args=lambda s: ["--n", "8" if s.setting.algorithm == "quatro" else "4"])
+    assert {r.status for r in results} == {"done"}
+    for algorithm, n in (("quatro", "8"), ("grpo", "4")):
+        directory = runner.run_dir(study_dir, spec(algorithm, 1).name)
+        assert json.load(open(os.path.join(directory, "study_eval.jsonl"))) == ["--n", n]
+        assert runner.is_done(directory) and runner.is_trained(directory)
+    again = runner.execute([trained], study_dir, ["config=config"], workers=1, log=lambda m: None, poll_s=0.05,
+                           evaluation_args=lambda s: [])
+    assert [r.status for r in again] == ["skipped"]
+
+
 def test_invocations_total_the_wall_time_of_those_that_trained(tmp_path):
     # A study finished over several invocations reports the sum of the ones that trained runs;
     # a report-only or all-skipped invocation (no run executed) adds nothing.
     from quatro_nemo.study.driver import INVOCATIONS_FILE, record_invocation
     assert record_invocation(str(tmp_path), 38.9, 63) == {"total_wall_minutes": 38.9, "training_invocations": 1}
     assert record_invocation(str(tmp_path), 0.4, 0) == {"total_wall_minutes": 38.9, "training_invocations": 1}
-    totals = record_invocation(str(tmp_path), 24.1, 38)
+    totals = record_invocation(str(tmp_path), 24.1, 38, {"quatro-s1": [61.5, 58.0]})
     assert totals["training_invocations"] == 2 and abs(totals["total_wall_minutes"] - 63.0) < 1e-9
     lines = [json.loads(line) for line in open(tmp_path / INVOCATIONS_FILE)]
     assert [r["runs_executed"] for r in lines] == [63, 0, 38]
+    assert lines[-1]["run_seconds"] == {"quatro-s1": [61.5, 58.0]}

@@ -1,0 +1,56 @@
+"""One study run in one process: train (as recipes/train.py does), then evaluate the final policy.
+
+    python -m quatro_nemo.study.job KEY=VALUE... --evaluate [--problems 64 --n 128 --top-p 0.7 1.0 ...]
+
+The arguments before ``--evaluate`` are recipes/train.py's; those after it are
+:mod:`quatro_nemo.study.evaluation`'s. One process instead of two saves the interpreter and
+library start-up and the task generation once per run (the task is cached within the process).
+A run already trained (``report.json``) is only evaluated; an interrupted one resumes from its
+checkpoint. Exits 75 after a SIGTERM/SIGUSR1 checkpoint, like recipes/train.py. The records
+carry the seconds of each phase (``job_seconds``), which :mod:`quatro_nemo.study.timing` reads.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--evaluate" not in argv:
+        print("usage: python -m quatro_nemo.study.job KEY=VALUE... --evaluate [evaluation options]", file=sys.stderr)
+        return 2
+    split = argv.index("--evaluate")
+    train_argv, eval_argv = argv[:split], argv[split + 1:]
+
+    from quatro_nemo.engine.config import ConfigError, load_config
+    from quatro_nemo.engine.loop import PREEMPTED_EXIT_CODE, Preempted, train
+    from quatro_nemo.study.evaluation import STUDY_EVAL, evaluate_run, parse_args, write_records
+    from quatro_nemo.study.runner import is_trained
+
+    options = parse_args(["RUN_DIR", *eval_argv])
+    try:
+        cfg = load_config(train_argv)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    if not is_trained(cfg.run.dir):
+        try:
+            train(cfg)
+        except Preempted as exc:
+            print(f"preempted: {exc}; checkpoint saved, exiting with {PREEMPTED_EXIT_CODE}", file=sys.stderr)
+            return PREEMPTED_EXIT_CODE
+    trained = time.perf_counter()
+    records = evaluate_run(cfg.run.dir, options.problems, options.n, options.top_p, options.temperature, options.seed)
+    seconds = {"train": round(trained - started, 2), "evaluate": round(time.perf_counter() - trained, 2)}
+    write_records(os.path.join(cfg.run.dir, STUDY_EVAL), [dict(r, job_seconds=seconds) for r in records])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

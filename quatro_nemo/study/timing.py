@@ -1,0 +1,94 @@
+"""The wall time of a study, estimated from the per-run timings of one that finished (the quick one).
+
+A finished study records each run's wall seconds in ``invocations.jsonl``, the seconds of its
+evaluation in its evaluation records (``job_seconds``) and each training step's ``time/step`` in
+its training records. Two linear models are fitted by least squares over its runs:
+
+    time/step  = a + b * optimizer steps in the rollout step
+    evaluation = c + r * sampled responses (problems x samples x top-p values)
+
+and the overhead of a run (start-up, task generation, checkpoint, report) is the median of its
+wall time minus its evaluation and its logged step times. Each run's wall-clock figures are first
+scaled by its CPU time / wall time (its process's user + system time, recorded by the runner):
+on a machine shared with other work a run waits for the CPU, and the estimate is for a machine
+that runs the study alone (each run one single-threaded process, ``workers`` at a time on as many
+cores). The target study's runs are then costed from their composed
+settings (steps, K, mini-batches, evaluation kind) and divided over its ``workers``, plus the base
+model's evaluation, which runs alone. The timings carry the machine and the contention of the
+measured study, so measure with the same ``workers`` on the machine the study will run on.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+from quatro_nemo.data.schema import iter_jsonl
+from quatro_nemo.engine.config import load_config
+from quatro_nemo.study.analysis import EVAL_KIND, archive_path, read_archive
+from quatro_nemo.study.config import StudyConfig
+from quatro_nemo.study.driver import INVOCATIONS_FILE
+from quatro_nemo.study.plan import build_plan, train_args
+
+
+def _line(x: List[float], y: List[float]) -> Tuple[float, float]:
+    """Least-squares intercept and slope (slope 0 and the mean when x does not vary)."""
+    x_arr, y_arr = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if np.ptp(x_arr) == 0:
+        return float(np.mean(y_arr)), 0.0
+    slope, intercept = np.polyfit(x_arr, y_arr, 1)
+    return float(intercept), float(slope)
+
+
+def measured_costs(timed_dir: str) -> Dict[str, float]:
+    """The fitted per-step, per-sample and overhead costs (seconds) of a finished study."""
+    seconds: Dict[str, List[float]] = {}     # name -> [wall, CPU]
+    for _, record in iter_jsonl(f"{timed_dir}/{INVOCATIONS_FILE}"):
+        seconds.update(record.get("run_seconds") or {})
+    if not seconds:
+        raise ValueError(f"{timed_dir}/{INVOCATIONS_FILE} records no per-run timings (a study run by this version "
+                         "records them)")
+    step_x, step_y, overheads, eval_x, eval_y = [], [], [], [], []
+    for name, (wall, cpu) in seconds.items():
+        busy = min(1.0, cpu / wall)           # the share of its wall time the run had a CPU
+        records = read_archive(archive_path(timed_dir, name))
+        train = [r for r in records if r.get("kind") == "train"]
+        evals = [r for r in records if r.get("kind") == EVAL_KIND]
+        step_x += [r["optimizer_steps"] for r in train]
+        step_y += [busy * r["time/step"] for r in train]
+        evaluate = busy * evals[0]["job_seconds"]["evaluate"]
+        overheads.append(cpu - evaluate - sum(busy * r["time/step"] for r in train))
+        eval_x.append(sum(r["num_problems"] * r["n_samples"] for r in evals))
+        eval_y.append(evaluate)
+    a, b = _line(step_x, step_y)
+    c, r = _line(eval_x, eval_y)
+    return {"step_s": a, "step_s_per_optimizer_step": b, "train_overhead_s": float(np.median(overheads)),
+            "eval_s": c, "eval_s_per_sample": r, "runs_measured": len(seconds)}
+
+
+def estimate_minutes(cfg: StudyConfig, timed_dir: str) -> Dict[str, Any]:
+    """Estimated wall minutes of the study `cfg` from the timings of the finished study in `timed_dir`."""
+    costs = measured_costs(timed_dir)
+    plan = build_plan(cfg)
+    composed = load_config(train_args(cfg))
+    trainer, ev = composed.trainer, cfg.evaluation
+    minis = math.ceil(trainer.prompts_per_step / (trainer.mini_batch_prompts or trainer.prompts_per_step))
+    full_samples = ev.num_problems * ev.n_samples * len(ev.top_p)
+    light_samples = ev.num_problems * ev.sweep_n_samples if ev.sweep_n_samples else full_samples
+    total_s, by_k = 0.0, {}
+    for spec in plan.runs.values():
+        optimizer_steps = spec.setting.inner_loops * minis
+        train_s = costs["train_overhead_s"] + trainer.steps * (costs["step_s"] + costs["step_s_per_optimizer_step"]
+                                                              * optimizer_steps)
+        samples = full_samples if plan.needs_full_evaluation(spec) else light_samples
+        run_s = train_s + costs["eval_s"] + costs["eval_s_per_sample"] * samples
+        total_s += run_s
+        by_k.setdefault(spec.setting.inner_loops, []).append(run_s)
+    base_s = costs["eval_s"] + costs["eval_s_per_sample"] * full_samples
+    minutes = (total_s / cfg.workers + base_s) / 60.0
+    return {"study": cfg.name, "runs": len(plan.runs), "steps_per_run": trainer.steps, "workers": cfg.workers,
+            "estimated_minutes": round(minutes, 1), "budget_minutes": cfg.time_budget_minutes,
+            "fits_budget": minutes <= cfg.time_budget_minutes,
+            "mean_run_minutes_by_inner_loops": {k: round(float(np.mean(v)) / 60.0, 2) for k, v in sorted(by_k.items())},
+            "measured_on": timed_dir, "costs": {k: round(v, 4) for k, v in costs.items()}}

@@ -1,0 +1,39 @@
+"""The wall-time estimate's fitted costs, by hand on a made-up timed study."""
+import json
+
+import pytest
+
+from quatro_nemo.study.analysis import EVAL_KIND, archive_path, write_archive
+from quatro_nemo.study.config import load_study_config
+from quatro_nemo.study.driver import INVOCATIONS_FILE
+from quatro_nemo.study.timing import estimate_minutes, measured_costs
+
+
+def timed_run(study_dir, name, optimizer_steps, step_s, samples_per_record, records, evaluate_s):
+    train = [{"kind": "train", "step": s, "optimizer_steps": optimizer_steps, "time/step": step_s} for s in (1, 2)]
+    evals = [{"kind": EVAL_KIND, "top_p": 0.7 + 0.1 * i, "num_problems": 2, "n_samples": samples_per_record // 2,
+              "job_seconds": {"train": 0.0, "evaluate": evaluate_s}} for i in range(records)]
+    write_archive(archive_path(study_dir, name), train + evals)
+
+
+def test_costs_are_fitted_on_cpu_time(tmp_path):
+    # a: alone on its CPU (wall = CPU): steps 1 s, evaluation 3 s of 20 samples, overhead 10-3-2 = 5
+    # b: waited half the time (CPU = wall / 2): steps 2 s -> 1 s, evaluation 8 s -> 4 s of 40
+    #    samples, overhead 10 (CPU) - 4 - 2 = 4
+    timed_run(str(tmp_path), "a", 4, 1.0, 20, 1, 3.0)
+    timed_run(str(tmp_path), "b", 8, 2.0, 20, 2, 8.0)
+    (tmp_path / INVOCATIONS_FILE).write_text(json.dumps({"runs_executed": 2, "minutes": 1.0,
+                                                         "run_seconds": {"a": [10.0, 10.0], "b": [20.0, 10.0]}}))
+    costs = measured_costs(str(tmp_path))
+    assert costs["step_s"] == pytest.approx(1.0) and costs["step_s_per_optimizer_step"] == pytest.approx(0.0, abs=1e-12)
+    assert costs["eval_s_per_sample"] == pytest.approx((4.0 - 3.0) / (40 - 20))
+    assert costs["eval_s"] == pytest.approx(3.0 - 20 * 0.05)
+    assert costs["train_overhead_s"] == pytest.approx(4.5)
+
+    estimate = estimate_minutes(load_study_config("quick"), str(tmp_path))
+    # quick: 28 runs of 8 steps, 1 s each + 4.5 s overhead; evaluations of 32 x 32 x 2 (main and
+    # delta runs: 18) or 32 x 16 samples at 2 + 0.05 s per sample; the base model's alone
+    runs = 28 * (4.5 + 8 * 1.0 + 2.0) + 18 * 0.05 * 2048 + 10 * 0.05 * 512
+    base = 2.0 + 0.05 * 2048
+    assert estimate["runs"] == 28
+    assert estimate["estimated_minutes"] == pytest.approx((runs / 2 + base) / 60, abs=0.05)
