@@ -9,7 +9,10 @@ against a float64 full-softmax reference.
 
 Each parallel layout loads the reference weights (``load_full_state_dict``), runs
 ``compute_logprobs`` and ``train_step_forward_backward`` for every loss and two micro-batch
-splits, gathers its gradients back to full tensors and compares on every rank.
+splits (row counts that need not divide the rows), gathers its gradients back to full tensors and
+compares on every rank. The token-budget test does the same for every algorithm of the registry
+with rows sorted by length, binned under a padded-token budget and trimmed (ragged lengths,
+empty responses, and a data-parallel rank padded with an empty micro-batch).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 from mcore_ranks import run_ranks
 
 LOSSES = ("quatro", "gspo", "dapo", "grpo")
+EMPTY_RESPONSE_ROWS = (3, 6)
 SEED = 1234
 NUM_SEQUENCES, SEQ_LEN = 8, 12
 REL_TOL = 1e-5
@@ -49,23 +53,32 @@ def _float64_logprobs_entropy(model, tokens, position_ids):
     return logp.gather(-1, tokens[:, 1:, None])[..., 0], -(logp.exp() * logp).sum(-1)
 
 
-def _algo_config(loss_name):
+def _algo_config(algorithm):
     from quatro_nemo.algos import get_algorithm
 
-    return get_algorithm(loss_name).config_cls(beta=0.01)
+    return get_algorithm(algorithm).config_cls(beta=0.01)
+
+
+def _loss_name(algorithm):
+    from quatro_nemo.algos import ALGORITHMS
+
+    return ALGORITHMS[algorithm][1]
 
 
 def _make_batch(logprobs_now: torch.Tensor) -> dict:
-    """A fixed global batch: prompts of 3-5 tokens, responses of varied length, right padding."""
+    """A fixed global batch: prompts of 3-5 tokens, responses of varied length (two empty), right
+    padding; ``lengths`` = prompt + response tokens (3 to 12)."""
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(1, 64, (NUM_SEQUENCES, SEQ_LEN), generator=gen)
     response_mask = torch.zeros(NUM_SEQUENCES, SEQ_LEN - 1)
+    lengths = torch.zeros(NUM_SEQUENCES, dtype=torch.long)
     for row in range(NUM_SEQUENCES):
         prompt_len = 3 + row % 3
-        response_len = 2 + (row * 5) % (SEQ_LEN - prompt_len - 1)
+        response_len = 0 if row in EMPTY_RESPONSE_ROWS else 2 + (row * 5) % (SEQ_LEN - prompt_len - 1)
         end = prompt_len + response_len
         tokens[row, end:] = 0  # pad id
         response_mask[row, prompt_len - 1:end - 1] = 1.0
+        lengths[row] = end
     # pi_old off the current policy by per-row amounts: 0 (on-policy), tiny (inside GSPO's
     # clip range), moderate and large (PPO clip active).
     scale = torch.tensor([0.0, 2e-4, 0.1, 0.4]).repeat(NUM_SEQUENCES // 4).unsqueeze(-1)
@@ -73,11 +86,12 @@ def _make_batch(logprobs_now: torch.Tensor) -> dict:
     ref = logprobs_now + 0.2 * torch.randn(logprobs_now.shape, generator=gen)
     return dict(tokens=tokens, position_ids=torch.arange(SEQ_LEN).expand(NUM_SEQUENCES, SEQ_LEN).clone(),
                 response_mask=response_mask, old_logprobs=old, ref_logprobs=ref,
-                advantages=torch.randn(NUM_SEQUENCES, generator=gen))
+                advantages=torch.randn(NUM_SEQUENCES, generator=gen), lengths=lengths)
 
 
-def _reference_loss_and_grads(model, batch, loss_name):
-    """Plain single-process full-batch loss, metrics and gradients (no quatro_nemo.megatron code)."""
+def _reference_loss_and_grads(model, batch, algorithm):
+    """Plain single-process full-batch loss, metrics and gradients (no quatro_nemo.megatron code):
+    every row at the full width, padding included."""
     from quatro_nemo.algos import get_policy_loss
     from quatro_nemo.algos.aggregation import LossNormalizer
 
@@ -86,18 +100,19 @@ def _reference_loss_and_grads(model, batch, loss_name):
     log_softmax = torch.log_softmax(model(tokens, batch["position_ids"], None)[:, :-1], -1)
     logprobs = log_softmax.gather(-1, tokens[:, 1:, None])[..., 0]
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    loss, metrics = get_policy_loss(loss_name)(
+    loss, metrics = get_policy_loss(_loss_name(algorithm))(
         logprobs, batch["old_logprobs"], batch["advantages"], batch["response_mask"],
-        _algo_config(loss_name), LossNormalizer.from_mask(batch["response_mask"]),
+        _algo_config(algorithm), LossNormalizer.from_mask(batch["response_mask"]),
         ref_logprobs=batch["ref_logprobs"], entropy=entropy.detach())
     loss.backward()
     # Guard against a vacuous comparison (e.g. every sequence clipped): gradients must flow.
-    assert model.embedding.word_embeddings.weight.grad.abs().max() > 1e-6, loss_name
+    assert model.embedding.word_embeddings.weight.grad.abs().max() > 1e-6, algorithm
     return dict(loss=loss.item(), metrics={k: v.item() for k, v in metrics.items()},
                 grads={name: p.grad.clone() for name, p in model.named_parameters()})
 
 
 def _reference_rank(rank, path):
+    from quatro_nemo.algos import ALGORITHMS
     from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
 
@@ -114,7 +129,7 @@ def _reference_rank(rank, path):
     tokens = batch["tokens"]
     ref_logprobs64, ref_entropy64 = _float64_logprobs_entropy(model, tokens, position_ids)
 
-    results = {name: _reference_loss_and_grads(model, batch, name) for name in LOSSES}
+    results = {name: _reference_loss_and_grads(model, batch, name) for name in ALGORITHMS}
     qwen2 = build_model(_qwen2_config())
     qwen2_logprobs64, qwen2_entropy64 = _float64_logprobs_entropy(qwen2, tokens, position_ids)
     torch.save(dict(state=state, batch=batch, logprobs64=ref_logprobs64, entropy64=ref_entropy64,
@@ -208,7 +223,7 @@ def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, 
     for part, finalize in ((slice(0, half), False), (slice(half, None), True)):
         metrics = train_step_forward_backward(
             model, {key: value[part] for key, value in batch.items()}, "quatro", _algo_config("quatro"),
-            micro_batch_size=1, normalizer=normalizer, finalize_grads=finalize)
+            1, normalizer=normalizer, finalize_grads=finalize)
         losses.append(metrics["loss"])
     expected = ref["results"]["quatro"]
     _assert_close("two calls, summed loss", sum(losses), expected["loss"])
@@ -228,9 +243,9 @@ def reference_path(tmp_path_factory):
 @pytest.mark.parametrize(
     "world_size, tensor_parallel, pipeline_parallel, micro_batch_sizes",
     [
-        pytest.param(2, 2, 1, (2, 8), id="tp2"),
-        pytest.param(2, 1, 2, (2, 4), id="pp2"),
-        pytest.param(2, 1, 1, (1, 4), id="dp2"),
+        pytest.param(2, 2, 1, (3, 8), id="tp2"),
+        pytest.param(2, 1, 2, (3, 4), id="pp2"),
+        pytest.param(2, 1, 1, (1, 3), id="dp2"),
         pytest.param(4, 2, 2, (2, 8), id="tp2xpp2"),
     ],
 )
@@ -238,6 +253,60 @@ def test_loss_and_gradients_match_single_process(reference_path, world_size, ten
                                                  pipeline_parallel, micro_batch_sizes):
     run_ranks(world_size, _parallel_rank, tensor_parallel, pipeline_parallel, micro_batch_sizes,
               reference_path)
+
+
+def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, path):
+    from quatro_nemo.algos import ALGORITHMS
+    from quatro_nemo.megatron.batching import MicroBatching, plan_micro_batches
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+    from quatro_nemo.megatron.models import build_model
+    from quatro_nemo.megatron.parallel import initialize_parallel
+
+    ref = torch.load(path)
+    layout = initialize_parallel(tensor_parallel, pipeline_parallel, seed=SEED)
+    model = build_model(_model_config())
+    load_full_state_dict(model, ref["state"])
+    rows = slice(layout.dp_rank * NUM_SEQUENCES // layout.data_parallel,
+                 (layout.dp_rank + 1) * NUM_SEQUENCES // layout.data_parallel)
+    batch = {key: value[rows] for key, value in ref["batch"].items()}
+    batching = MicroBatching(max_tokens=max_tokens)
+    plan = plan_micro_batches(batch, batching)
+    # The budget must make this a real test: trimmed micro-batches of several shapes.
+    assert len({(micro.rows.numel(), micro.width) for micro in plan}) > 1
+    assert any(micro.width < SEQ_LEN for micro in plan)
+
+    logprobs, entropy = compute_logprobs(model, batch, batching)
+    valid = torch.arange(SEQ_LEN - 1).unsqueeze(0) < (batch["lengths"] - 1).unsqueeze(1)
+    _assert_close("token budget: logprobs vs float64", logprobs[valid], ref["logprobs64"][rows][valid])
+    _assert_close("token budget: entropy vs float64", entropy[valid], ref["entropy64"][rows][valid])
+
+    covered = set()
+    for algorithm in ALGORITHMS:
+        model.zero_grad(set_to_none=True)
+        metrics = train_step_forward_backward(model, batch, _loss_name(algorithm), _algo_config(algorithm),
+                                              batching)
+        where = f"{algorithm} tp={tensor_parallel} pp={pipeline_parallel} max_tokens={max_tokens}"
+        _assert_step_matches(where, model, metrics, ref["results"][algorithm], covered)
+    _assert_every_parameter_compared(covered, ref["state"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world_size, tensor_parallel, pipeline_parallel, max_tokens",
+    [
+        pytest.param(2, 2, 1, 22, id="tp2"),
+        pytest.param(2, 1, 2, 22, id="pp2"),
+        # rank 0's rows (lengths 5, 11, 11, 3) make 2 micro-batches, rank 1's (12, 8, 3, 6) make 3:
+        # rank 0 runs an empty one
+        pytest.param(2, 1, 1, 22, id="dp2"),
+    ],
+)
+def test_token_budget_matches_single_process(reference_path, world_size, tensor_parallel, pipeline_parallel,
+                                             max_tokens):
+    """Every registry algorithm under token-budget micro-batches (sorted, binned, trimmed to each
+    micro-batch's longest row) gives the padded single-process loss, metrics and gradients."""
+    run_ranks(world_size, _token_budget_rank, tensor_parallel, pipeline_parallel, max_tokens, reference_path)
 
 
 def _qwen2_rank(rank, tensor_parallel, pipeline_parallel, path):
@@ -250,7 +319,7 @@ def _qwen2_rank(rank, tensor_parallel, pipeline_parallel, path):
     initialize_parallel(tensor_parallel, pipeline_parallel, seed=SEED + 1)
     model = build_model(_qwen2_config())
     load_full_state_dict(model, ref["qwen2"]["state"])
-    logprobs, entropy = compute_logprobs(model, ref["batch"], micro_batch_size=4)
+    logprobs, entropy = compute_logprobs(model, ref["batch"], 4)
     _assert_close("qwen2 logprobs vs float64", logprobs, ref["qwen2"]["logprobs64"])
     _assert_close("qwen2 entropy vs float64", entropy, ref["qwen2"]["entropy64"])
 
