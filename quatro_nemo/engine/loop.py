@@ -25,7 +25,7 @@ import socket
 import sys
 import time
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -43,7 +43,8 @@ from quatro_nemo.engine.rollout import get_rollout_backend
 from quatro_nemo.engine.task import Task, build_task
 from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel
-from quatro_nemo.megatron.forward import compute_logprobs, micro_batch_rows, train_step_forward_backward
+from quatro_nemo.megatron.batching import MicroBatching
+from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
 from quatro_nemo.megatron.models import build_model
 from quatro_nemo.megatron.quiet import quiet_library_warnings
 from quatro_nemo.megatron.checkpoint import load_full_state_dict
@@ -189,6 +190,7 @@ def make_batch(rollout, advantages: torch.Tensor) -> Dict[str, torch.Tensor]:
         "position_ids": rollout.position_ids,
         "response_mask": rollout.response_mask.float(),
         "advantages": advantages.float(),
+        "lengths": rollout.lengths,
     }
 
 
@@ -277,7 +279,6 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         evaluate(0)   # the base model's held-out numbers, the report's "before" column
 
     slots = local_prompt_slots(batch_size, mini_batch_size, dp_rank, dp)
-    local_mini = mini_batch_size // dp
     progress = _progress_bar(cfg, rank0, start_step)
     for step in range(start_step, trainer.steps):
         t_start = time.perf_counter()
@@ -302,38 +303,11 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         shaped = global_rewards(local_rewards + length_penalty(rollout, cfg.algorithm, rollout_cfg.max_new_tokens),
                                 batch_size, mini_batch_size)
 
-        # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
-        advantage_out = spec.advantage_estimator(shaped, cfg.algorithm)
-        advantages = advantage_out.advantages[slots].reshape(-1)
-
-        # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
-        batch = make_batch(rollout, advantages)
-        batch["response_mask"] = batch["response_mask"] * kept_groups(shaped, cfg.algorithm)[slots].repeat_interleave(
-            rollout_cfg.n)[:, None]
-        with torch.no_grad():
-            micro = micro_batch_rows(batch["tokens"].shape[0], cfg.parallel.micro_batch_size)
-            batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, micro)
-            if reference is not None:
-                batch["ref_logprobs"], _ = compute_logprobs(reference, batch, micro)
-        t_logprobs = time.perf_counter()
-
-        # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
-        update_metrics: List[Dict[str, float]] = []
-        rows_per_mini = local_mini * rollout_cfg.n
-        micro_per_mini = micro_batch_rows(rows_per_mini, cfg.parallel.micro_batch_size)
-        for _inner in range(trainer.inner_loops):
-            for start in range(0, len(problems) * rollout_cfg.n, rows_per_mini):
-                mini = slice_batch(batch, slice(start, start + rows_per_mini))
-                if dp_sum(mini["response_mask"].sum()) == 0:
-                    continue  # every group of this mini-batch was filtered out (dynamic sampling)
-                optimizer.zero_grad(set_to_none=False)
-                metrics = train_step_forward_backward(policy, mini, loss_name, cfg.algorithm,
-                                                      micro_per_mini)
-                metrics["grad_norm"] = float(clip_grad_norm(policy, trainer.grad_clip))
-                optimizer.step()
-                scheduler.step()
-                backend.update_weights()
-                update_metrics.append(metrics)
+        # 4-6. Advantages, log pi_old / log pi_ref, K inner loops of optimizer steps.
+        update = update_policy(cfg, spec, loss_name, policy, reference, optimizer, scheduler, backend,
+                               rollout, shaped, slots)
+        advantage_out, update_metrics, old_entropy = update.advantages, update.metrics, update.old_entropy
+        t_logprobs = update.t_logprobs
         t_update = time.perf_counter()
 
         # 7. Metrics (identical on every rank), checkpoint, evaluation.
@@ -367,6 +341,61 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         summary = write_report(run_dir, cfg, task.properties)
         print(f"[quatro] done: report at {os.path.join(run_dir, 'report.md')}", flush=True)
     return summary
+
+
+@dataclass
+class PolicyUpdate:
+    """What :func:`update_policy` returns: the estimator's output (``advantages`` [B, N] and its
+    metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], and the
+    ``time.perf_counter()`` at which the log-prob passes ended."""
+
+    advantages: Any
+    metrics: List[Dict[str, float]]
+    old_entropy: torch.Tensor
+    t_logprobs: float
+
+
+def update_policy(cfg: ExperimentConfig, spec, loss_name: str, policy, reference, optimizer, scheduler,
+                  backend, rollout, shaped: torch.Tensor, slots: List[int]) -> PolicyUpdate:
+    """Steps 4-6 of a training step on this rank's rollout (shared by :func:`train` and
+    ``benchmarks/bench_step.py``, which replays saved rollouts through it).
+
+    ``shaped``: the global [B, N] rewards after length shaping; ``slots``: this DP rank's global
+    prompt positions (:func:`local_prompt_slots`). Collective over all ranks.
+    """
+    trainer, n = cfg.trainer, cfg.rollout.n
+    batching = MicroBatching.from_parallel_config(cfg.parallel)
+
+    # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
+    advantage_out = spec.advantage_estimator(shaped, cfg.algorithm)
+    advantages = advantage_out.advantages[slots].reshape(-1)
+
+    # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
+    batch = make_batch(rollout, advantages)
+    batch["response_mask"] = batch["response_mask"] * kept_groups(shaped, cfg.algorithm)[slots].repeat_interleave(
+        n)[:, None]
+    with torch.no_grad():
+        batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, batching)
+        if reference is not None:
+            batch["ref_logprobs"], _ = compute_logprobs(reference, batch, batching)
+    t_logprobs = time.perf_counter()
+
+    # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
+    update_metrics: List[Dict[str, float]] = []
+    rows_per_mini = (trainer.mini_batch_prompts or trainer.prompts_per_step) // parallel.dp_size() * n
+    for _inner in range(trainer.inner_loops):
+        for start in range(0, len(slots) * n, rows_per_mini):
+            mini = slice_batch(batch, slice(start, start + rows_per_mini))
+            if dp_sum(mini["response_mask"].sum()) == 0:
+                continue  # every group of this mini-batch was filtered out (dynamic sampling)
+            optimizer.zero_grad(set_to_none=False)
+            metrics = train_step_forward_backward(policy, mini, loss_name, cfg.algorithm, batching)
+            metrics["grad_norm"] = float(clip_grad_norm(policy, trainer.grad_clip))
+            optimizer.step()
+            scheduler.step()
+            backend.update_weights()
+            update_metrics.append(metrics)
+    return PolicyUpdate(advantage_out, update_metrics, old_entropy, t_logprobs)
 
 
 def _step_metrics(rewards, advantage_metrics, update_metrics, rollout, old_entropy) -> Dict[str, float]:

@@ -47,6 +47,11 @@ class RolloutBatch:
         return self.sample.response_mask
 
     @property
+    def lengths(self) -> torch.Tensor:
+        """``[S]`` real length of each row (prompt + response tokens); the rest is padding."""
+        return self.sample.prompt_lengths + self.sample.response_lengths
+
+    @property
     def position_ids(self) -> torch.Tensor:
         """``[S, L]``: ``0 .. L-1`` on every row."""
         rows, length = self.sample.tokens.shape
