@@ -148,10 +148,19 @@ class Workload:
     mini_batch_prompts: Optional[int] = None  # prompts per optimizer step (None: all)
     inner_loops: int = 1
     uses_reference: bool = True               # beta > 0: pi_ref log-probs each step
+    max_tokens_per_micro_batch: Optional[int] = None  # parallel.max_tokens_per_micro_batch (None/0: rows)
 
     @property
     def sequence_length(self) -> int:
         return self.max_prompt_tokens + self.max_new_tokens
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Most tokens one micro-batch computes: the padded budget (a row longer than the budget
+        runs alone, so at most one full-length row), else ``micro_batch_size`` full-length rows."""
+        if self.max_tokens_per_micro_batch:
+            return max(self.max_tokens_per_micro_batch, self.sequence_length)
+        return self.sequence_length * self.micro_batch_size
 
 
 @dataclass
@@ -355,9 +364,11 @@ def check_layout(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: S
     if work.prompts_per_step % mini:
         raise PlanError(f"trainer.mini_batch_prompts={mini} does not divide trainer.prompts_per_step="
                         f"{work.prompts_per_step}")
-    if (mini * work.n) % (dp * work.micro_batch_size):
-        raise PlanError(f"an optimizer step's {mini * work.n} sequences (trainer.mini_batch_prompts x rollout.n) "
-                        f"do not split into data_parallel={dp} x parallel.micro_batch_size={work.micro_batch_size}")
+    if mini % dp:
+        raise PlanError(f"trainer.mini_batch_prompts={mini} is not divisible by data_parallel={dp}")
+    if work.max_tokens_per_micro_batch is not None and 0 < work.max_tokens_per_micro_batch < 2:
+        raise PlanError(f"parallel.max_tokens_per_micro_batch={work.max_tokens_per_micro_batch} must be >= 2 "
+                        "(or 0/null: off)")
     if work.prompts_per_step % dp:
         raise PlanError(f"trainer.prompts_per_step={work.prompts_per_step} is not divisible by data_parallel={dp}")
     if cluster.gpus_per_node % vllm.tensor_parallel:
@@ -377,7 +388,7 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: Sc
     dp = check_layout(m, layout, cluster, scale, vllm, work)
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     world = cluster.nodes * cluster.gpus_per_node
-    s, b = work.sequence_length, work.micro_batch_size
+    s, tokens_mb = work.sequence_length, work.tokens_per_micro_batch
     notes: List[str] = []
 
     # Weights, grads, optimizer state: the most loaded stage.
@@ -385,17 +396,19 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: Sc
     per_gpu = max(stage_counts)
     weights = per_gpu * weight_bytes_per_parameter(m.bytes_per_param, scale.distributed_optimizer, dp)
 
-    # Activations on the first stage (the one with the most micro-batches in flight).
+    # Activations on the first stage (the one with the most micro-batches in flight), for the
+    # largest micro-batch: tokens_mb tokens (the token budget, or micro_batch_size full rows).
+    # Micro-batches per optimizer step: with a budget, at full length (an upper bound).
     mini = work.mini_batch_prompts or work.prompts_per_step
-    microbatches = mini * work.n // (dp * b)
+    microbatches = math.ceil(mini * work.n // dp * s / tokens_mb)
     in_flight = min(pp, microbatches)
     layers = m.num_layers // pp
-    full_layer = layer_activation_elements(m, s * b, tp, scale.flash_attention, s) * 2  # bf16
+    full_layer = layer_activation_elements(m, tokens_mb, tp, scale.flash_attention, s) * 2  # bf16
     if layout.full_recompute:
-        activations = in_flight * layers * (s * b * m.hidden_size * 2) + full_layer
+        activations = in_flight * layers * (tokens_mb * m.hidden_size * 2) + full_layer
     else:
         activations = in_flight * layers * full_layer
-    logits = s * b * (m.vocab_size / tp) * 10 + s * b * m.hidden_size * 2
+    logits = tokens_mb * (m.vocab_size / tp) * 10 + tokens_mb * m.hidden_size * 2
 
     total = total_parameter_count(m)
     reference = per_gpu * 2 if (work.uses_reference and scale.reference_on_gpu) else 0.0
@@ -455,7 +468,8 @@ def check_plan(plan: MemoryPlan) -> MemoryPlan:
             f"the training phase needs {plan.train_phase_gb:.1f} GB per GPU > cluster.gpu_memory_gb="
             f"{plan.gpu_memory_gb:g} (weights+optimizer {plan.weights_grads_optimizer_gb:.1f}, activations "
             f"{plan.activations_gb:.1f}, logits {plan.logits_gb:.1f}, vLLM {plan.vllm_while_training_gb:.1f}): "
-            "lower parallel.micro_batch_size, set model.extra.recompute_granularity=full, raise parallel.tensor or "
+            "lower parallel.micro_batch_size or parallel.max_tokens_per_micro_batch, set "
+            "model.extra.recompute_granularity=full, raise parallel.tensor or "
             "parallel.pipeline, or set scale.distributed_optimizer=true / vllm.sleep_between_phases=true")
     if plan.rollout_phase_gb > plan.gpu_memory_gb:
         raise PlanError(
@@ -480,6 +494,7 @@ def plan_from_sections(model: Mapping[str, object], parallel: Mapping[str, objec
         prompts_per_step=int(trainer["prompts_per_step"]), n=int(rollout["n"]),
         max_prompt_tokens=scale_cfg.max_prompt_tokens, max_new_tokens=int(rollout["max_new_tokens"]),
         micro_batch_size=int(parallel["micro_batch_size"]),
+        max_tokens_per_micro_batch=parallel.get("max_tokens_per_micro_batch") or None,
         mini_batch_prompts=trainer.get("mini_batch_prompts"), inner_loops=int(trainer.get("inner_loops", 1)),
         uses_reference=float(algorithm.get("beta", 0.0) or 0.0) > 0,
     )
