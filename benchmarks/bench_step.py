@@ -1,0 +1,159 @@
+"""Fixed-rollout step benchmark (issue 15): each algorithm's whole update on the SAME rollouts.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_step.py [--repeats 2] [--rollouts PATH]
+
+Timing algorithms in the real training loop mixes their own cost with the response lengths their
+policies happen to sample. Here one set of rollouts is made once and saved (``--rollouts``;
+default a temporary file): the tiny GPT's vocabulary, lengths from ``bench_packing``'s paper-like
+distribution scaled 16x down (prompts 3..32, long-tailed responses capped at 192 tokens), binary
+rewards with a per-prompt success rate. Every algorithm of the registry then replays it through
+``quatro_nemo.engine.loop.update_policy``, the code ``train()`` runs for steps 4-6 of a step:
+advantages (QUATRO's dual solve), reward shaping and DAPO's group filter, old and reference
+log-probs (beta = 0.001 for every algorithm, the paper's App. B value), and K = 2 inner loops of
+4 mini-batches (forward/backward, grad clip, AdamW step), from the same initial weights each time.
+Both micro-batchings run side by side: padded rows and a token budget of the same peak size.
+Replays are interleaved (algorithm x batching, round after round) and the median is reported;
+on a shared machine read the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from bench_packing import (  # noqa: E402
+    RESPONSE_CAP,
+    interleaved_medians,
+    paper_like_lengths,
+    synthetic_batch,
+    tiny_model_config,
+)
+
+SCALE = 1 / 16
+NUM_PROMPTS, N, MINI_BATCH_PROMPTS, INNER_LOOPS, ROWS_PER_MICRO_BATCH = 8, 8, 2, 2, 16
+VOCAB_SIZE = 64
+
+
+def save_rollouts(path: str, seed: int = 0) -> None:
+    """One rollout batch (a ``SampleOutput``'s tensors) and its [B, N] rewards, saved to ``path``."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts, responses = paper_like_lengths(NUM_PROMPTS, N, generator, SCALE)
+    batch = synthetic_batch(prompts, responses, VOCAB_SIZE, generator)
+    success_rate = torch.rand(NUM_PROMPTS, 1, generator=generator)
+    rewards = (torch.rand(NUM_PROMPTS, N, generator=generator) < success_rate).double()
+    sample = dict(tokens=batch["tokens"], response_mask=batch["response_mask"],
+                  logprobs=torch.zeros_like(batch["response_mask"]), prompt_lengths=prompts,
+                  response_lengths=responses, finished=responses < round(RESPONSE_CAP * SCALE))
+    torch.save({"sample": sample, "rewards": rewards}, path)
+
+
+def load_rollouts(path: str):
+    from quatro_nemo.engine.rollout import RolloutBatch
+    from quatro_nemo.megatron.sampling import SampleOutput
+
+    saved = torch.load(path)
+    return RolloutBatch(SampleOutput(**saved["sample"]), NUM_PROMPTS, N), saved["rewards"]
+
+
+def experiment_config(algorithm: str, max_length: int, max_tokens: int):
+    """The CPU default's config for ``algorithm`` at this benchmark's sizes (``max_tokens`` 0:
+    padded rows)."""
+    from quatro_nemo.engine.config import load_config
+
+    return load_config([
+        f"algorithm={algorithm}", "algorithm.beta=0.001", f"model.vocab_size={VOCAB_SIZE}",
+        f"model.max_position_embeddings={max_length}", f"trainer.prompts_per_step={NUM_PROMPTS}",
+        f"trainer.mini_batch_prompts={MINI_BATCH_PROMPTS}", f"trainer.inner_loops={INNER_LOOPS}",
+        f"rollout.n={N}", f"rollout.max_new_tokens={round(RESPONSE_CAP * SCALE)}",
+        f"parallel.micro_batch_size={ROWS_PER_MICRO_BATCH}", f"parallel.max_tokens_per_micro_batch={max_tokens}",
+    ])
+
+
+def make_replay(cfg, policy, reference, initial_state, rollout, rewards, optimizer_steps: dict):
+    """A function running ``update_policy`` on the saved rollout from ``initial_state``, as
+    ``train()`` builds its pieces (optimizer, LR schedule, rollout backend); it records the number
+    of optimizer steps taken in ``optimizer_steps[algorithm name]``."""
+    from quatro_nemo.algos import ALGORITHMS, get_algorithm
+    from quatro_nemo.engine.loop import global_rewards, length_penalty, local_prompt_slots, update_policy
+    from quatro_nemo.engine.optim import build_optimizer
+    from quatro_nemo.engine.rollout import get_rollout_backend
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+
+    spec, loss_name, trainer = get_algorithm(cfg.algorithm_name), ALGORITHMS[cfg.algorithm_name][1], cfg.trainer
+    slots = local_prompt_slots(NUM_PROMPTS, MINI_BATCH_PROMPTS, 0, 1)
+    backend = get_rollout_backend("megatron", model=policy, eos_id=1, pad_id=0)
+
+    def replay():
+        load_full_state_dict(policy, initial_state)
+        optimizer, scheduled = build_optimizer(policy, trainer.lr, (trainer.adam_beta1, trainer.adam_beta2),
+                                               trainer.adam_eps, trainer.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: 1.0)
+        shaped = global_rewards(rewards + length_penalty(rollout, cfg.algorithm, cfg.rollout.max_new_tokens),
+                                NUM_PROMPTS, MINI_BATCH_PROMPTS)
+        update = update_policy(cfg, spec, loss_name, policy, reference, optimizer, scheduler, backend,
+                               rollout, shaped, slots)
+        optimizer_steps[cfg.algorithm_name] = len(update.metrics)
+    return replay
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (median reported)")
+    parser.add_argument("--rollouts", default=None, help="saved rollouts to replay (made here if missing)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from quatro_nemo.algos import ALGORITHMS
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
+    from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
+    from quatro_nemo.megatron.quiet import quiet_library_warnings
+
+    quiet_library_warnings()
+    path = args.rollouts or os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "rollouts.pt")
+    if not os.path.exists(path):
+        save_rollouts(path)
+    rollout, rewards = load_rollouts(path)
+    width = rollout.tokens.shape[1]
+    max_tokens = ROWS_PER_MICRO_BATCH * width  # the padded path's micro-batch size, in tokens
+    batchings = {"padded": 0, "token budget": max_tokens}
+
+    initialize_parallel(seed=1234)
+    model_cfg = tiny_model_config(width)
+    policy, reference = build_model(model_cfg), build_model(model_cfg)
+    initial_state = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    load_full_state_dict(reference, initial_state)
+    reference.requires_grad_(False)
+
+    steps: dict = {}
+    replays = {(name, batching): make_replay(experiment_config(name, width, budget), policy, reference,
+                                             initial_state, rollout, rewards, steps)
+               for name in ALGORITHMS for batching, budget in batchings.items()}
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    print(f"rollouts {path}: {NUM_PROMPTS} prompts x {N}, mean row {float(rollout.lengths.float().mean()):.0f} "
+          f"tokens, longest {width}; K={INNER_LOOPS} x {NUM_PROMPTS // MINI_BATCH_PROMPTS} mini-batches; "
+          f"padded = {ROWS_PER_MICRO_BATCH} rows/micro-batch, token budget = {max_tokens:,} tokens")
+    timings = dict(zip(replays, interleaved_medians(list(replays.values()), args.repeats)))
+    print(f"update_policy, median of {args.repeats} interleaved rounds: CPU seconds of this process (wall in "
+          "brackets); ratios of CPU time vs GSPO on the same batching")
+    print("algorithm  opt.steps   padded CPU s (wall)   /GSPO   budget CPU s (wall)   /GSPO   budget/padded")
+    for name in ALGORITHMS:
+        (padded_wall, padded), (budget_wall, budget) = timings[(name, "padded")], timings[(name, "token budget")]
+        print(f"{name:9s}  {steps[name]:9d}   {padded:7.2f} ({padded_wall:7.2f})   "
+              f"{padded / timings[('gspo', 'padded')][1]:5.3f}   {budget:7.2f} ({budget_wall:7.2f})   "
+              f"{budget / timings[('gspo', 'token budget')][1]:5.3f}   {budget / padded:13.2f}")
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
