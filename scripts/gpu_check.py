@@ -7,7 +7,10 @@
 3. A Qwen2-architecture model at small scale (bf16, ~0.12 B parameters, TE spec if present): a few
    QUATRO steps (megatron sampling -> synthetic verifiable reward -> QUATRO advantages -> old
    log-probs -> policy loss forward/backward -> AdamW), printing step time and tokens/s per phase.
-4. If vLLM is installed: the colocated vLLM backend on the same model (export -> engine -> weight
+4. Padded rows vs token-budget micro-batches vs THD packing (Transformer Engine only) on the same
+   long-tailed batch: old log-probs + one training forward/backward, tokens/s each way, and the
+   budget and packed log-probs and losses against the padded ones.
+5. If vLLM is installed: the colocated vLLM backend on the same model (export -> engine -> weight
    push after an optimizer step -> rollout), printing tokens/s and greedy agreement with megatron.
 
 Prints one ``GPU_CHECK_RESULT {json}`` line at the end (and writes it to $OUT/gpu_check.json when
@@ -164,6 +167,59 @@ def quatro_steps(model, cfg, steps=4, num_prompts=16, n=8, prompt_len=64, new_to
     return optimizer
 
 
+def relative_difference(actual, expected):
+    """max |actual - expected| / max |expected|."""
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
+
+
+def packing_check(model, cfg, num_rows=64, rows_per_micro_batch=8):
+    """Padded rows vs token budget vs packing (issue 15): tokens/s and agreement with padded."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_packing import paper_like_lengths, synthetic_batch
+
+    from quatro_nemo.algos import get_algorithm
+    from quatro_nemo.megatron.batching import MicroBatching, padded_tokens, plan_micro_batches
+    from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+    from quatro_nemo.megatron.models import transformer_engine_available
+
+    # The paper's lengths scaled to the model's context: 1/4 on the GPU (rows up to 896 tokens).
+    scale = 1 / 64 if CPU_SMOKE else 1 / 4
+    generator = torch.Generator().manual_seed(2)
+    prompts, responses = paper_like_lengths(num_rows // 8, 8, generator, scale)
+    batch = synthetic_batch(prompts, responses, cfg.vocab_size, generator)
+    batch = {key: value.to(DEVICE) for key, value in batch.items()}
+    batch["advantages"] = torch.randn(num_rows, generator=generator).to(DEVICE)
+    algo_cfg = get_algorithm("quatro").config_cls(beta=0.0)
+    budget = rows_per_micro_batch * batch["tokens"].shape[1]  # the padded micro-batch's size in tokens
+    modes = {"padded": MicroBatching(rows=rows_per_micro_batch), "token_budget": MicroBatching(max_tokens=budget)}
+    if transformer_engine_available():
+        modes["packed"] = MicroBatching(max_tokens=budget, pack=True)
+    real_tokens = int(batch["lengths"].sum())
+    valid = torch.arange(batch["tokens"].shape[1] - 1, device=DEVICE).unsqueeze(0) < (batch["lengths"] - 1).unsqueeze(1)
+    results, reference = {}, None
+    for name, batching in modes.items():
+        for _ in range(2):  # the second pass is timed (the first warms up kernels and the allocator)
+            sync(); t0 = time.perf_counter()
+            batch["old_logprobs"], _ = compute_logprobs(model, batch, batching)
+            model.zero_grad(set_to_none=True)
+            metrics = train_step_forward_backward(model, batch, "quatro", algo_cfg, batching)
+            sync(); seconds = time.perf_counter() - t0
+        logprobs = batch["old_logprobs"][valid].float()
+        if reference is None:
+            reference = (logprobs, metrics["loss"])
+        computed = real_tokens if batching.pack else padded_tokens(plan_micro_batches(batch, batching))
+        results[name] = dict(seconds=f"{seconds:.3f}", real_tokens_per_s=f"{real_tokens / seconds:.0f}",
+                             computed_per_real_token=f"{computed / real_tokens:.2f}",
+                             logprob_rel_diff_vs_padded=f"{relative_difference(logprobs, reference[0]):.2e}",
+                             loss_diff_vs_padded=f"{abs(metrics['loss'] - reference[1]):.2e}")
+    tolerance = 1e-5 if cfg.params_dtype == "float32" else 1e-2  # bf16 matmuls of other shapes round differently
+    ok = all(float(r["logprob_rel_diff_vs_padded"]) <= tolerance for r in results.values())
+    record("packing", te=transformer_engine_available(), real_tokens=real_tokens, ok=ok,
+           **{f"{name}_{key}": value for name, r in results.items() for key, value in r.items()})
+    if not ok:
+        RESULT["failures"].append("packing")
+
+
 def vllm_check(model, cfg, optimizer, num_prompts=16, n=8, prompt_len=64, new_tokens=128):
     from quatro_nemo.engine.memory_plan import VllmConfig
     from quatro_nemo.engine.vllm_backend import VllmRolloutBackend
@@ -228,6 +284,12 @@ def main() -> int:
         traceback.print_exc()
         RESULT["failures"].append("quatro_steps")
         model = None
+    if model is not None:
+        try:
+            packing_check(model, cfg)
+        except Exception:
+            traceback.print_exc()
+            RESULT["failures"].append("packing")
     if model is not None:
         try:
             import vllm  # noqa: F401

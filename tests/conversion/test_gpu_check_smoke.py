@@ -24,3 +24,4 @@ def test_gpu_check_cpu_smoke_runs_every_check():
     assert result["failures"] == []
     assert result["checks"]["hf_conversion"]["ok"] is True
     assert result["checks"]["quatro_steps"]["finite_loss"] is True
+    assert result["checks"]["packing"]["ok"] is True  # token budget vs padded (no THD without TE)
