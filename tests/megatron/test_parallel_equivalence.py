@@ -255,7 +255,9 @@ def test_loss_and_gradients_match_single_process(reference_path, world_size, ten
               reference_path)
 
 
-def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, path):
+def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, micro_batches, path):
+    from megatron.core import parallel_state
+
     from quatro_nemo.algos import ALGORITHMS
     from quatro_nemo.megatron.batching import MicroBatching, plan_micro_batches
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
@@ -281,32 +283,41 @@ def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, pat
     _assert_close("token budget: logprobs vs float64", logprobs[valid], ref["logprobs64"][rows][valid])
     _assert_close("token budget: entropy vs float64", entropy[valid], ref["entropy64"][rows][valid])
 
+    forward_calls = []
+    model.register_forward_pre_hook(lambda module, args: forward_calls.append(1))
     covered = set()
     for algorithm in ALGORITHMS:
         model.zero_grad(set_to_none=True)
+        forward_calls.clear()
         metrics = train_step_forward_backward(model, batch, _loss_name(algorithm), _algo_config(algorithm),
                                               batching)
         where = f"{algorithm} tp={tensor_parallel} pp={pipeline_parallel} max_tokens={max_tokens}"
         _assert_step_matches(where, model, metrics, ref["results"][algorithm], covered)
+        # every DP rank ran the same number of micro-batches (empty ones pad the shorter plan)
+        counts = [None] * layout.data_parallel
+        torch.distributed.all_gather_object(counts, len(forward_calls), group=parallel_state.get_data_parallel_group())
+        assert counts == [micro_batches] * layout.data_parallel, counts
     _assert_every_parameter_compared(covered, ref["state"])
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "world_size, tensor_parallel, pipeline_parallel, max_tokens",
+    "world_size, tensor_parallel, pipeline_parallel, max_tokens, micro_batches",
     [
-        pytest.param(2, 2, 1, 22, id="tp2"),
-        pytest.param(2, 1, 2, 22, id="pp2"),
-        # rank 0's rows (lengths 5, 11, 11, 3) make 2 micro-batches, rank 1's (12, 8, 3, 6) make 3:
+        # lengths 5, 11, 11, 3, 12, 8, 3, 6 under 22 tokens: [12], [11, 11], [8, 6], [5, 3, 3]
+        pytest.param(2, 2, 1, 22, 4, id="tp2"),
+        pytest.param(2, 1, 2, 22, 4, id="pp2"),
+        # rank 0's rows (5, 11, 11, 3) make 2 micro-batches, rank 1's (12, 8, 3, 6) make 3:
         # rank 0 runs an empty one
-        pytest.param(2, 1, 1, 22, id="dp2"),
+        pytest.param(2, 1, 1, 22, 3, id="dp2"),
     ],
 )
 def test_token_budget_matches_single_process(reference_path, world_size, tensor_parallel, pipeline_parallel,
-                                             max_tokens):
+                                             max_tokens, micro_batches):
     """Every registry algorithm under token-budget micro-batches (sorted, binned, trimmed to each
     micro-batch's longest row) gives the padded single-process loss, metrics and gradients."""
-    run_ranks(world_size, _token_budget_rank, tensor_parallel, pipeline_parallel, max_tokens, reference_path)
+    run_ranks(world_size, _token_budget_rank, tensor_parallel, pipeline_parallel, max_tokens, micro_batches,
+              reference_path)
 
 
 def _qwen2_rank(rank, tensor_parallel, pipeline_parallel, path):
