@@ -184,11 +184,10 @@ def _assert_every_parameter_compared(covered, full_state):
     assert set().union(*everyone) == set(full_state), "some parameters were never compared"
 
 
-def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, path):
+def _rank_setup(tensor_parallel, pipeline_parallel, path):
+    """(reference, layout, model with the reference weights, this DP rank's rows, its batch)."""
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
-    from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
-    from quatro_nemo.megatron.loss import global_loss_normalizer
-    from quatro_nemo.megatron.models import build_model, global_parameter_name
+    from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
 
     ref = torch.load(path)
@@ -198,6 +197,15 @@ def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, 
     rows = slice(layout.dp_rank * NUM_SEQUENCES // layout.data_parallel,
                  (layout.dp_rank + 1) * NUM_SEQUENCES // layout.data_parallel)
     batch = {key: value[rows] for key, value in ref["batch"].items()}
+    return ref, layout, model, rows, batch
+
+
+def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, path):
+    from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+    from quatro_nemo.megatron.loss import global_loss_normalizer
+    from quatro_nemo.megatron.models import global_parameter_name
+
+    ref, layout, model, rows, batch = _rank_setup(tensor_parallel, pipeline_parallel, path)
 
     logprobs, entropy = compute_logprobs(model, batch, micro_batch_sizes[0])
     _assert_close("logprobs vs float64", logprobs, ref["logprobs64"][rows])
@@ -260,18 +268,9 @@ def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, mic
 
     from quatro_nemo.algos import ALGORITHMS
     from quatro_nemo.megatron.batching import MicroBatching, plan_micro_batches
-    from quatro_nemo.megatron.checkpoint import load_full_state_dict
     from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
-    from quatro_nemo.megatron.models import build_model
-    from quatro_nemo.megatron.parallel import initialize_parallel
 
-    ref = torch.load(path)
-    layout = initialize_parallel(tensor_parallel, pipeline_parallel, seed=SEED)
-    model = build_model(_model_config())
-    load_full_state_dict(model, ref["state"])
-    rows = slice(layout.dp_rank * NUM_SEQUENCES // layout.data_parallel,
-                 (layout.dp_rank + 1) * NUM_SEQUENCES // layout.data_parallel)
-    batch = {key: value[rows] for key, value in ref["batch"].items()}
+    ref, layout, model, rows, batch = _rank_setup(tensor_parallel, pipeline_parallel, path)
     batching = MicroBatching(max_tokens=max_tokens)
     plan = plan_micro_batches(batch, batching)
     # The budget must make this a real test: trimmed micro-batches of several shapes.
