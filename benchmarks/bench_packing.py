@@ -10,15 +10,16 @@ responses log-normal with mean 1,000 tokens and sigma 1.0 (a long tail), capped 
     rollout layout) and cut into row micro-batches; token-budget micro-batches (rows sorted by
     length, binned under the budget, each trimmed to its longest row; ``quatro_nemo.megatron.
     batching``); packing (THD: every real token once). Target: <= 1.10 with token budgets.
-(b) CPU wall time of one old-log-prob pass + one training forward/backward for the tiny model on
-    the same distribution scaled down 16x (prompts 3..32, responses mean 62, capped at 192),
-    padded rows vs a token budget of the same peak size (rows x the batch's longest row), timed
-    side by side (interleaved repeats, medians of this process's CPU time and of wall time). Packing needs Transformer Engine (GPU): see
-    ``scripts/gpu_check.py``.
+(b) CPU time of one old-log-prob pass + one training forward/backward for the tiny model on the
+    same distribution scaled down 16x (prompts 3..32, responses mean 62, capped at 192), padded
+    rows vs a token budget of the same peak size (rows x the batch's longest row), timed side by
+    side (interleaved rounds: the least CPU time of this process, the median wall time). Packing
+    needs Transformer Engine (GPU): ``scripts/gpu_check.py`` measures it.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import statistics
@@ -80,18 +81,21 @@ def report_computed_tokens(seed: int = 0) -> None:
             print(f"    {rows_per_rank:9d}  {max_tokens:15,d}   {padded:11.2f}   {budget:12.3f}   {packed:7.2f}")
 
 
-def interleaved_medians(functions, repeats):
-    """One warm-up call, then ``repeats`` rounds calling each function in turn: the median
-    (wall seconds, CPU seconds of this process) of each. On a loaded machine the CPU time is the
-    figure to read: the benchmarks run one process on one thread, so it counts this work only."""
+def interleaved_timings(functions, repeats):
+    """One warm-up call, then ``repeats`` rounds calling each function in turn (garbage collected
+    before each call): per function, (median wall seconds, least CPU seconds of this process).
+    On a loaded machine read the CPU time: the benchmarks run one process on one thread, so it
+    counts this work only, and other processes can only add to it (cache and memory traffic),
+    hence the least of the rounds."""
     functions[0]()
     samples = [[] for _ in functions]
     for _ in range(repeats):
         for fn, times in zip(functions, samples):
+            gc.collect()
             wall, cpu = time.perf_counter(), time.process_time()
             fn()
             times.append((time.perf_counter() - wall, time.process_time() - cpu))
-    return [tuple(statistics.median(t[i] for t in times) for i in range(2)) for times in samples]
+    return [(statistics.median(t[0] for t in times), min(t[1] for t in times)) for times in samples]
 
 
 def tiny_model_config(max_length: int):
@@ -143,17 +147,17 @@ def report_cpu_step_time(repeats: int, num_prompts: int = 16, n: int = 8, rows_p
             train_step_forward_backward(model, batch, "quatro", algo_config, batching)
         return run
 
-    (padded_wall, padded_s), (budget_wall, budget_s) = interleaved_medians([step(padded), step(budget)], repeats)
+    (padded_wall, padded_s), (budget_wall, budget_s) = interleaved_timings([step(padded), step(budget)], repeats)
     real = int(batch["lengths"].sum())
     computed = [padded_tokens(plan_by_rows(prompts.numel(), rows_per_micro_batch, width)),
                 padded_tokens(plan_by_tokens(batch["lengths"], budget.max_tokens))]
     print(f"(b) CPU, tiny GPT, {prompts.numel()} rows (lengths 16x shorter: mean row "
           f"{batch['lengths'].float().mean():.0f}, longest {width}), old log-probs + train fwd/bwd, "
-          f"median of {repeats}:")
-    print("                                   CPU s   wall s   tokens computed per real token")
-    print(f"    padded rows ({rows_per_micro_batch}/micro-batch)   {padded_s:6.2f}   {padded_wall:6.2f}   "
+          f"{repeats} interleaved rounds:")
+    print("                                   CPU s (least)   wall s (median)   tokens computed per real token")
+    print(f"    padded rows ({rows_per_micro_batch}/micro-batch)   {padded_s:13.2f}   {padded_wall:15.2f}   "
           f"{computed[0] / real:.2f}")
-    print(f"    token budget ({budget.max_tokens:,} tokens) {budget_s:6.2f}   {budget_wall:6.2f}   "
+    print(f"    token budget ({budget.max_tokens:,} tokens) {budget_s:13.2f}   {budget_wall:15.2f}   "
           f"{computed[1] / real:.2f}")
     print(f"    ratio token budget / padded: {budget_s / padded_s:.2f} (CPU time), "
           f"{budget_wall / padded_wall:.2f} (wall)")

@@ -1,6 +1,6 @@
 """Fixed-rollout step benchmark (issue 15): each algorithm's whole update on the SAME rollouts.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_step.py [--repeats 2] [--rollouts PATH]
+    OMP_NUM_THREADS=1 python benchmarks/bench_step.py [--repeats 3] [--rollouts PATH]
 
 Timing algorithms in the real training loop mixes their own cost with the response lengths their
 policies happen to sample. Here one set of rollouts is made once and saved (``--rollouts``;
@@ -12,8 +12,9 @@ advantages (QUATRO's dual solve), reward shaping and DAPO's group filter, old an
 log-probs (beta = 0.001 for every algorithm, the paper's App. B value), and K = 2 inner loops of
 4 mini-batches (forward/backward, grad clip, AdamW step), from the same initial weights each time.
 Both micro-batchings run side by side: padded rows and a token budget of the same peak size.
-Replays are interleaved (algorithm x batching, round after round) and the median is reported;
-on a shared machine read the ratios.
+Replays are interleaved (algorithm x batching, round after round); the figure is the least CPU
+time of this process over the rounds (``bench_packing.interleaved_timings``); on a shared machine
+read the ratios.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 
 from bench_packing import (  # noqa: E402
     RESPONSE_CAP,
-    interleaved_medians,
+    interleaved_timings,
     paper_like_lengths,
     synthetic_batch,
     tiny_model_config,
@@ -109,7 +110,7 @@ def make_replay(cfg, policy, reference, initial_state, rollout, rewards, optimiz
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved rounds (median reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--rollouts", default=None, help="saved rollouts to replay (made here if missing)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -143,8 +144,8 @@ def main():
     print(f"rollouts {path}: {NUM_PROMPTS} prompts x {N}, mean row {float(rollout.lengths.float().mean()):.0f} "
           f"tokens, longest {width}; K={INNER_LOOPS} x {NUM_PROMPTS // MINI_BATCH_PROMPTS} mini-batches; "
           f"padded = {ROWS_PER_MICRO_BATCH} rows/micro-batch, token budget = {max_tokens:,} tokens")
-    timings = dict(zip(replays, interleaved_medians(list(replays.values()), args.repeats)))
-    print(f"update_policy, median of {args.repeats} interleaved rounds: CPU seconds of this process (wall in "
+    timings = dict(zip(replays, interleaved_timings(list(replays.values()), args.repeats)))
+    print(f"update_policy, {args.repeats} interleaved rounds: least CPU seconds of this process (median wall in "
           "brackets); ratios of CPU time vs GSPO on the same batching")
     print("algorithm  opt.steps   padded CPU s (wall)   /GSPO   budget CPU s (wall)   /GSPO   budget/padded")
     for name in ALGORITHMS:
