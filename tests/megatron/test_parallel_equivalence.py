@@ -269,6 +269,7 @@ def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, mic
     from quatro_nemo.algos import ALGORITHMS
     from quatro_nemo.megatron.batching import MicroBatching, plan_micro_batches
     from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+    from quatro_nemo.megatron.models import transformer_engine_available
 
     ref, layout, model, rows, batch = _rank_setup(tensor_parallel, pipeline_parallel, path)
     batching = MicroBatching(max_tokens=max_tokens)
@@ -276,6 +277,10 @@ def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, mic
     # The budget must make this a real test: trimmed micro-batches of several shapes.
     assert len({(micro.rows.numel(), micro.width) for micro in plan}) > 1
     assert any(micro.width < SEQ_LEN for micro in plan)
+
+    if not transformer_engine_available():  # the local layer spec has no THD attention
+        with pytest.raises(ValueError, match="parallel.sequence_packing=true needs Transformer Engine"):
+            compute_logprobs(model, batch, MicroBatching(max_tokens=max_tokens, pack=True))
 
     logprobs, entropy = compute_logprobs(model, batch, batching)
     valid = torch.arange(SEQ_LEN - 1).unsqueeze(0) < (batch["lengths"] - 1).unsqueeze(1)
