@@ -31,6 +31,11 @@ where each row starts, position ids restart at 0 on every row, and attention ker
 ``pad_to_multiple`` rounds each row's slot up (context parallelism needs multiples of ``2 x CP``,
 sequence parallelism a total divisible by TP; ``cu_seqlens_padded`` then differs from
 ``cu_seqlens``). :func:`unpack_rows` maps the packed next-token log-probs back to ``[rows, T]``.
+
+Not covered (no layout here uses them): sequence parallelism (off in ``models.py``) would need
+each micro-batch's width, or packed total, divisible by TP; context parallelism would need the
+slots padded to ``2 x CP`` and each packed sequence split over the CP ranks (megatron's
+load-balanced halves), with the log-probs gathered back before :func:`unpack_rows`.
 """
 from __future__ import annotations
 
