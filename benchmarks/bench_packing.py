@@ -81,16 +81,20 @@ def report_computed_tokens(seed: int = 0) -> None:
             print(f"    {rows_per_rank:9d}  {max_tokens:15,d}   {padded:11.2f}   {budget:12.3f}   {packed:7.2f}")
 
 
-def interleaved_timings(functions, repeats):
+def interleaved_timings(functions, repeats, prepares=None):
     """One warm-up call, then ``repeats`` rounds calling each function in turn (garbage collected
-    before each call): per function, (median wall seconds, least CPU seconds of this process).
+    before each call; ``prepares[i]()``, untimed, before ``functions[i]``): per function, (median
+    wall seconds, least CPU seconds of this process).
     On a loaded machine read the CPU time: the benchmarks run one process on one thread, so it
     counts this work only, and other processes can only add to it (cache and memory traffic),
     hence the least of the rounds."""
+    prepares = prepares or [lambda: None] * len(functions)
+    prepares[0]()
     functions[0]()
     samples = [[] for _ in functions]
     for _ in range(repeats):
-        for fn, times in zip(functions, samples):
+        for prepare, fn, times in zip(prepares, functions, samples):
+            prepare()
             gc.collect()
             wall, cpu = time.perf_counter(), time.process_time()
             fn()
@@ -122,6 +126,7 @@ def synthetic_batch(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor
 
 def report_cpu_step_time(repeats: int, num_prompts: int = 16, n: int = 8, rows_per_micro_batch: int = 32) -> None:
     from quatro_nemo.algos import get_algorithm
+    from quatro_nemo.megatron import training
     from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
     from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
@@ -132,6 +137,7 @@ def report_cpu_step_time(repeats: int, num_prompts: int = 16, n: int = 8, rows_p
     initialize_parallel(seed=1234)
     cfg = tiny_model_config(int((prompts + responses).max()))
     model = build_model(cfg)
+    model_ddp = training.wrap_for_training(model, distributed_optimizer=False)
     batch = synthetic_batch(prompts, responses, cfg.vocab_size, generator)
     batch["advantages"] = torch.randn(prompts.numel(), generator=generator)
     algo_config = get_algorithm("quatro").config_cls(beta=0.0)  # no reference pass in this timing
@@ -143,8 +149,8 @@ def report_cpu_step_time(repeats: int, num_prompts: int = 16, n: int = 8, rows_p
         def run():
             with torch.no_grad():
                 batch["old_logprobs"], _ = compute_logprobs(model, batch, batching)
-            model.zero_grad(set_to_none=True)
-            train_step_forward_backward(model, batch, "quatro", algo_config, batching)
+            model_ddp.zero_grad_buffer()
+            train_step_forward_backward(model_ddp, batch, "quatro", algo_config, batching)
         return run
 
     (padded_wall, padded_s), (budget_wall, budget_s) = interleaved_timings([step(padded), step(budget)], repeats)

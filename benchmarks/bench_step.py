@@ -7,10 +7,11 @@ policies happen to sample. Here one set of rollouts is made once and saved (``--
 default a temporary file): the tiny GPT's vocabulary, lengths from ``bench_packing``'s paper-like
 distribution scaled 16x down (prompts 3..32, long-tailed responses capped at 192 tokens), binary
 rewards with a per-prompt success rate. Every algorithm of the registry then replays it through
-``quatro_nemo.engine.loop.update_policy``, the code ``train()`` runs for steps 4-6 of a step:
+``quatro_nemo.engine.loop.learn_from_rollout``, the code ``train()`` runs for steps 4-6 of a step:
 advantages (QUATRO's dual solve), reward shaping and DAPO's group filter, old and reference
 log-probs (beta = 0.001 for every algorithm, the paper's App. B value), and K = 2 inner loops of
-4 mini-batches (forward/backward, grad clip, AdamW step), from the same initial weights each time.
+4 mini-batches (forward/backward in megatron's DDP, grad clip, megatron's Adam step), from the
+same initial weights and a fresh optimizer each time (built outside the timed part).
 Both micro-batchings run side by side: padded rows and a token budget of the same peak size.
 Replays are interleaved (algorithm x batching, round after round); the figure is the least CPU
 time of this process over the rounds (``bench_packing.interleaved_timings``); on a shared machine
@@ -81,31 +82,41 @@ def experiment_config(algorithm: str, max_length: int, max_tokens: int):
     ])
 
 
-def make_replay(cfg, policy, reference, initial_state, rollout, rewards, optimizer_steps: dict):
-    """A function running ``update_policy`` on the saved rollout from ``initial_state``, as
-    ``train()`` builds its pieces (optimizer, LR schedule, rollout backend); it records the number
-    of optimizer steps taken in ``optimizer_steps[algorithm name]``."""
-    from quatro_nemo.algos import ALGORITHMS, get_algorithm
-    from quatro_nemo.engine.loop import global_rewards, length_penalty, local_prompt_slots, update_policy
-    from quatro_nemo.engine.optim import build_optimizer
+def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, optimizer_steps: dict):
+    """(prepare, run): ``prepare`` builds the policy from ``initial_state`` in megatron's DDP with
+    its optimizer and rollout backend, as ``train()`` does; ``run`` (the timed part) calls
+    ``learn_from_rollout`` on the saved rollout and records the optimizer steps taken in
+    ``optimizer_steps[algorithm name]``."""
+    from quatro_nemo.algos import get_algorithm
+    from quatro_nemo.engine.loop import global_rewards, learn_from_rollout, length_penalty, local_prompt_slots
+    from quatro_nemo.engine.memory_plan import section_from_dict
     from quatro_nemo.engine.rollout import get_rollout_backend
+    from quatro_nemo.megatron import training
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
 
-    spec, loss_name, trainer = get_algorithm(cfg.algorithm_name), ALGORITHMS[cfg.algorithm_name][1], cfg.trainer
+    spec, trainer = get_algorithm(cfg.algorithm_name), cfg.trainer
     slots = local_prompt_slots(NUM_PROMPTS, MINI_BATCH_PROMPTS, 0, 1)
-    backend = get_rollout_backend("megatron", model=policy, eos_id=1, pad_id=0)
+    scale = section_from_dict("scale", cfg.other.get("scale"))
+    state = {}
 
-    def replay():
+    def prepare():
+        policy = build_model(model_cfg)
         load_full_state_dict(policy, initial_state)
-        optimizer, scheduled = build_optimizer(policy, trainer.lr, (trainer.adam_beta1, trainer.adam_beta2),
-                                               trainer.adam_eps, trainer.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: 1.0)
+        policy_ddp = training.wrap_for_training(policy, distributed_optimizer=scale.distributed_optimizer)
+        optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
+            lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
+            adam_beta2=trainer.adam_beta2, adam_eps=trainer.adam_eps, grad_clip=trainer.grad_clip))
+        backend = get_rollout_backend("megatron", model=policy, eos_id=1, pad_id=0)
+        state.update(policy=policy, policy_ddp=policy_ddp, optimizer=optimizer, backend=backend)
+
+    def run():
         shaped = global_rewards(rewards + length_penalty(rollout, cfg.algorithm, cfg.rollout.max_new_tokens),
                                 NUM_PROMPTS, MINI_BATCH_PROMPTS)
-        update = update_policy(cfg, spec, loss_name, policy, reference, optimizer, scheduler, backend,
-                               rollout, shaped, slots)
-        optimizer_steps[cfg.algorithm_name] = len(update.metrics)
-    return replay
+        learned = learn_from_rollout(cfg, spec, state["policy"], state["policy_ddp"], reference, state["optimizer"],
+                                     state["backend"], rollout, shaped, slots, optimizer_steps_done=0)
+        optimizer_steps[cfg.algorithm_name] = len(learned.metrics)
+    return prepare, run
 
 
 def main():
@@ -115,7 +126,6 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     from quatro_nemo.algos import ALGORITHMS
-    from quatro_nemo.megatron.checkpoint import load_full_state_dict
     from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
     from quatro_nemo.megatron.quiet import quiet_library_warnings
@@ -131,21 +141,21 @@ def main():
 
     initialize_parallel(seed=1234)
     model_cfg = tiny_model_config(width)
-    policy, reference = build_model(model_cfg), build_model(model_cfg)
-    initial_state = {name: p.detach().clone() for name, p in policy.named_parameters()}
-    load_full_state_dict(reference, initial_state)
+    reference = build_model(model_cfg)
+    initial_state = {name: p.detach().clone() for name, p in reference.named_parameters()}
     reference.requires_grad_(False)
 
     steps: dict = {}
-    replays = {(name, batching): make_replay(experiment_config(name, width, budget), policy, reference,
-                                             initial_state, rollout, rewards, steps)
+    replays = {(name, batching): make_replay(experiment_config(name, width, budget), model_cfg, initial_state,
+                                             reference, rollout, rewards, steps)
                for name in ALGORITHMS for batching, budget in batchings.items()}
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     print(f"rollouts {path}: {NUM_PROMPTS} prompts x {N}, mean row {float(rollout.lengths.float().mean()):.0f} "
           f"tokens, longest {width}; K={INNER_LOOPS} x {NUM_PROMPTS // MINI_BATCH_PROMPTS} mini-batches; "
           f"padded = {ROWS_PER_MICRO_BATCH} rows/micro-batch, token budget = {max_tokens:,} tokens")
-    timings = dict(zip(replays, interleaved_timings(list(replays.values()), args.repeats)))
-    print(f"update_policy, {args.repeats} interleaved rounds: least CPU seconds of this process (median wall in "
+    prepares, runs = zip(*replays.values())
+    timings = dict(zip(replays, interleaved_timings(list(runs), args.repeats, prepares=list(prepares))))
+    print(f"learn_from_rollout, {args.repeats} interleaved rounds: least CPU seconds of this process (median wall in "
           "brackets); ratios of CPU time vs GSPO on the same batching")
     print("algorithm  opt.steps   padded CPU s (wall)   /GSPO   budget CPU s (wall)   /GSPO   budget/padded")
     for name in ALGORITHMS:

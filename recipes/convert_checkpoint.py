@@ -79,8 +79,9 @@ def verify(hf_dir: str) -> List[str]:
 
 
 def run_to_hf(out: str, train_args: Sequence[str], step: Optional[int] = None) -> None:
-    """Every rank of the training layout: build the model, load its shard of a run checkpoint,
-    export (collective; rank 0 writes). Base config and tokenizer come from task.hf_checkpoint."""
+    """Every rank of a layout given by the training arguments (any layout: run checkpoints are
+    sharded with global offsets): build the model, load its shard, export (collective; rank 0
+    writes). Base config and tokenizer come from task.hf_checkpoint."""
     from quatro_nemo.engine import checkpoint as ckpt
     from quatro_nemo.engine.config import load_config
     from quatro_nemo.megatron.hf_conversion import export_megatron_to_hf
@@ -93,10 +94,9 @@ def run_to_hf(out: str, train_args: Sequence[str], step: Optional[int] = None) -
     step = ckpt.latest_step(run_dir) if step is None else step
     if step is None:
         raise FileNotFoundError(f"no complete checkpoint under {run_dir}/checkpoints")
-    layout = initialize_parallel(config.parallel.tensor, config.parallel.pipeline, seed=config.run.seed)
+    initialize_parallel(config.parallel.tensor, config.parallel.pipeline, seed=config.run.seed)
     model = build_model(cfg)
-    saved = ckpt.load_checkpoint(run_dir, step, ckpt.layout_signature(layout))
-    model.load_state_dict(saved["model"])
+    ckpt.load_model_weights(run_dir, step, model)   # sharded: loads at any layout
     hf_dir = (config.task or {}).get("hf_checkpoint") or None
     base = read_hf_checkpoint(hf_dir, lazy=True)[0] if hf_dir and os.path.isdir(hf_dir) else None
     export_megatron_to_hf(model, cfg, out, base_config=base, tokenizer_dir=hf_dir if base else None)

@@ -4,10 +4,17 @@
     python recipes/plan_memory.py config=quatro_1p5b
     python recipes/plan_memory.py config=quatro_7b cluster.nodes=2 parallel.micro_batch_size=2
     python recipes/plan_memory.py config=quatro_7b --json        # machine-readable
+    python recipes/plan_memory.py config=quatro_7b --measured-peak-gb=41.3   # next to a measurement
 
 Takes the same key=value arguments as recipes/train.py. Exit code 0: the layout fits; 2: a
 config error or a layout that cannot fit (the message names the setting to change). Pure
-arithmetic (quatro_nemo/engine/memory_plan.py): no GPU needed.
+arithmetic (quatro_nemo/engine/memory_plan.py): no GPU needed; it plans for the packages of the
+machine it runs on (Transformer Engine, apex), so run it where the training runs.
+
+``--measured-peak-gb=X`` (e.g. ``torch.cuda.max_memory_allocated() / 1e9`` of a run of the same
+config, as scripts/gpu_check.sh prints) adds a line comparing it with the plan's
+``peak_allocated_gb``; with ``--json`` the object gains ``measured_peak_gb`` and
+``measured_over_planned``.
 """
 from __future__ import annotations
 
@@ -31,15 +38,32 @@ def plan_for_arguments(argv) -> MemoryPlan:
     return plan_from_sections(**sections)
 
 
+MEASURED_FLAG = "--measured-peak-gb="
+
+
 def main(argv) -> int:
     as_json = "--json" in argv
-    argv = [arg for arg in argv if arg != "--json"]
+    measured = [arg for arg in argv if arg.startswith(MEASURED_FLAG)]
+    argv = [arg for arg in argv if arg != "--json" and arg not in measured]
+    try:
+        measured_gb = float(measured[-1][len(MEASURED_FLAG):]) if measured else None
+    except ValueError:
+        print(f"plan error: {measured[-1]}: expected {MEASURED_FLAG}<number>", file=sys.stderr)
+        return 2
     try:
         plan = plan_for_arguments(argv)
     except (ConfigError, PlanError) as exc:
         print(f"plan error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.as_dict(), indent=2) if as_json else plan.format())
+    if as_json:
+        figures = plan.as_dict()
+        if measured_gb is not None:
+            figures.update(measured_peak_gb=measured_gb, measured_over_planned=measured_gb / plan.peak_allocated_gb)
+        print(json.dumps(figures, indent=2))
+    else:
+        print(plan.format())
+        if measured_gb is not None:
+            print(plan.compare_peak(measured_gb))
     return 0
 
 

@@ -124,12 +124,14 @@ def synthetic_rewards(sample, num_prompts, n):
 
 def quatro_steps(model, cfg, steps=4, num_prompts=16, n=8, prompt_len=64, new_tokens=128, micro_batch=16):
     from quatro_nemo.algos import get_algorithm
+    from quatro_nemo.megatron import training
     from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
     from quatro_nemo.megatron.sampling import SamplingParams, generate
 
     spec = get_algorithm("quatro")
     algo_cfg = spec.config_cls()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    model_ddp = training.wrap_for_training(model, distributed_optimizer=False)  # as the engine trains
+    optimizer = training.build_optimizer(model_ddp, training.OptimizerSettings(lr=1e-6))
     generator = torch.Generator().manual_seed(0)
     timings = []
     for step in range(steps):
@@ -149,9 +151,9 @@ def quatro_steps(model, cfg, steps=4, num_prompts=16, n=8, prompt_len=64, new_to
         batch["old_logprobs"], _ = compute_logprobs(model, batch, micro_batch)
         batch["ref_logprobs"] = batch["old_logprobs"]
         sync(); t2 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=False)
-        metrics = train_step_forward_backward(model, batch, "quatro", algo_cfg, micro_batch)
-        optimizer.step()
+        training.zero_gradients(model_ddp, optimizer)
+        metrics = train_step_forward_backward(model_ddp, batch, "quatro", algo_cfg, micro_batch)
+        training.optimizer_step(model_ddp, optimizer)
         sync(); t3 = time.perf_counter()
         generated = int(sample.response_lengths.sum())
         trained = tokens.numel()
@@ -164,7 +166,7 @@ def quatro_steps(model, cfg, steps=4, num_prompts=16, n=8, prompt_len=64, new_to
     record("quatro_steps", steps=steps, step_s=f"{last['rollout_s'] + last['logprob_s'] + last['train_s']:.2f}",
            rollout_tokens_per_s=f"{last['rollout_tok_s']:.0f}", train_tokens_per_s=f"{last['train_tok_s']:.0f}",
            finite_loss=all(t["loss"] is not None and t["loss"] == t["loss"] for t in timings))
-    return optimizer
+    return model_ddp, optimizer
 
 
 def relative_difference(actual, expected):
@@ -172,7 +174,7 @@ def relative_difference(actual, expected):
     return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-6)).item()
 
 
-def packing_check(model, cfg, num_rows=64, rows_per_micro_batch=8):
+def packing_check(model, model_ddp, cfg, num_rows=64, rows_per_micro_batch=8):
     """Padded rows vs token budget vs packing (issue 15): tokens/s and agreement with padded."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from bench_packing import paper_like_lengths, synthetic_batch
@@ -201,8 +203,8 @@ def packing_check(model, cfg, num_rows=64, rows_per_micro_batch=8):
         for _ in range(2):  # the second pass is timed (the first warms up kernels and the allocator)
             sync(); t0 = time.perf_counter()
             batch["old_logprobs"], _ = compute_logprobs(model, batch, batching)
-            model.zero_grad(set_to_none=True)
-            metrics = train_step_forward_backward(model, batch, "quatro", algo_cfg, batching)
+            model_ddp.zero_grad_buffer()
+            metrics = train_step_forward_backward(model_ddp, batch, "quatro", algo_cfg, batching)
             sync(); seconds = time.perf_counter() - t0
         logprobs = batch["old_logprobs"][valid].float()
         if reference is None:
@@ -278,7 +280,7 @@ def main() -> int:
         model = build_model(cfg)
         record("small_qwen2", parameters=sum(p.numel() for p in model.parameters()),
                te_spec=any("layer_norm_weight" in n for n, _ in model.named_parameters()))
-        optimizer = quatro_steps(model, cfg, **(dict(steps=2, num_prompts=4, n=4, prompt_len=8, new_tokens=8,
+        model_ddp, optimizer = quatro_steps(model, cfg, **(dict(steps=2, num_prompts=4, n=4, prompt_len=8, new_tokens=8,
                                                      micro_batch=4) if CPU_SMOKE else {}))
     except Exception:
         traceback.print_exc()
@@ -286,7 +288,7 @@ def main() -> int:
         model = None
     if model is not None:
         try:
-            packing_check(model, cfg)
+            packing_check(model, model_ddp, cfg)
         except Exception:
             traceback.print_exc()
             RESULT["failures"].append("packing")

@@ -16,8 +16,8 @@ ranks), then multiplied by :func:`loss_scale` to undo what Megatron and NeMo do 
 
 With the scale ``num_microbatches * dp_size`` the gradient every rank ends with is the gradient of
 the global-batch loss, whatever the micro-batch size and DP size. (The project's own Megatron
-loop, ``quatro_nemo.megatron.loss.make_loss_func``, scales by ``num_microbatches`` only because it
-SUMS data-parallel gradients.) The global counts and the metric reduction are the Megatron
+loop needs no scale: it builds its models with ``calculate_per_token_loss=True``, under which
+megatron neither divides by ``num_microbatches`` nor averages over DP; NeMo's models do not.) The global counts and the metric reduction are the Megatron
 layer's: ``quatro_nemo.megatron.loss.global_loss_normalizer`` / ``reduce_metrics`` /
 ``broadcast_from_last_stage``.
 """

@@ -1,16 +1,22 @@
-"""Training checkpoints for exact resume: model, optimizer, RNG states and the loop position.
+"""Training checkpoints for exact resume: model, optimizer, loop position and RNG states.
 
-Layout under the run directory (one file per rank, so any TP x PP x DP layout saves in parallel):
+Layout under the run directory:
 
-    checkpoints/step_000010/rank_000.pt     this rank's model shard, optimizer state, RNG states
-    checkpoints/step_000010/COMPLETE        written last, by rank 0, after every rank has written
+    checkpoints/step_000010/model_optim/     megatron dist_checkpointing (torch_dist): model and
+                                             optimizer shards, written by every rank in parallel
+    checkpoints/step_000010/rng/rank_003.pt  each rank's random-number generator states
+    checkpoints/step_000010/COMPLETE         step and the layout that saved it
 
-A checkpoint counts only once COMPLETE exists, and each file is written to a temporary name and
-renamed, so a process killed at any instant (SIGKILL included) leaves either the previous
-complete checkpoint or the new one, never a half-written state that is loaded.
+A checkpoint is written under ``step_000010.tmp`` and renamed by rank 0 once every rank has
+finished and ``COMPLETE`` is in it, so a process killed at any instant (SIGKILL included) leaves
+the previous complete checkpoint and an ignored ``.tmp`` folder, never a half-written checkpoint
+under a final name.
 
-Resuming needs the same parallel layout (the shards are this layout's); converting a checkpoint to
-another layout goes through quatro_nemo.megatron.checkpoint (full state dicts).
+The model and optimizer shards carry their global shapes and offsets
+(:mod:`quatro_nemo.megatron.dist_checkpoint`), so a run saved at one TP x PP x DP layout resumes at
+another. The RNG states are per rank and are restored only at the same layout; the loop's own
+randomness does not depend on them (rollout seeds are derived from (seed, step),
+``loop.derive_seed``), so a resharded resume is exact too where dropout is off.
 """
 from __future__ import annotations
 
@@ -25,8 +31,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from quatro_nemo.megatron import dist_checkpoint
+
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 COMPLETE = "COMPLETE"
+SHARDS = "model_optim"
 
 
 def _rank() -> int:
@@ -36,12 +45,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _atomic_torch_save(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -111,38 +114,45 @@ def latest_step(run_dir: str) -> Optional[int]:
     return steps[-1] if steps else None
 
 
-def save_checkpoint(run_dir: str, step: int, state: Dict[str, Any], layout: Dict[str, int],
-                    keep: int = 2) -> str:
-    """Save this rank's `state` for `step` (collective: every rank calls it). Returns the folder.
-
-    `state` holds at least the model and optimizer state dicts and the loop position; the RNG
-    states are added here. `layout` (world size, tp, pp, dp) is recorded in COMPLETE and checked
-    on load.
-    """
+def save_checkpoint(run_dir: str, step: int, ddp_model, optimizer, common: Dict[str, Any],
+                    layout: Dict[str, int], keep: int = 2) -> str:
+    """Save model, optimizer, ``common`` (loop position; the same on every rank) and this rank's
+    RNG states for ``step``. Collective: every rank calls it. Returns the final folder."""
     folder = checkpoint_dir(run_dir, step)
-    os.makedirs(folder, exist_ok=True)
-    payload = dict(state, rng=rng_state(), layout=layout)
-    _atomic_torch_save(payload, os.path.join(folder, f"rank_{_rank():03d}.pt"))
+    partial = folder + ".tmp"
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)   # left by a run killed while saving
+        os.makedirs(os.path.join(partial, "rng"))
+    _barrier()
+    dist_checkpoint.save_sharded(os.path.join(partial, SHARDS), ddp_model, optimizer, common)
+    torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{_rank():03d}.pt"))
     _barrier()
     if _rank() == 0:
-        _atomic_write_text(os.path.join(folder, COMPLETE), json.dumps({"step": step, "layout": layout}))
+        _atomic_write_text(os.path.join(partial, COMPLETE), json.dumps({"step": step, "layout": layout}))
+        shutil.rmtree(folder, ignore_errors=True)    # an older save of the same step
+        os.replace(partial, folder)
         for old in complete_steps(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(checkpoint_dir(run_dir, old), ignore_errors=True)
     _barrier()
     return folder
 
 
-def load_checkpoint(run_dir: str, step: int, layout: Dict[str, int]) -> Dict[str, Any]:
-    """Load this rank's state for `step` and restore the RNG states. Raises on a layout mismatch."""
+def saved_layout(run_dir: str, step: int) -> Dict[str, int]:
+    with open(os.path.join(checkpoint_dir(run_dir, step), COMPLETE)) as f:
+        return json.load(f)["layout"]
+
+
+def load_checkpoint(run_dir: str, step: int, ddp_model, optimizer, layout: Dict[str, int]) -> Dict[str, Any]:
+    """Load ``step`` into the model and optimizer of the current layout (collective) and return
+    ``common``. RNG states are restored when the layout is the one that saved (module docstring)."""
     folder = checkpoint_dir(run_dir, step)
-    with open(os.path.join(folder, COMPLETE)) as f:
-        saved_layout = json.load(f)["layout"]
-    if saved_layout != layout:
-        raise ValueError(
-            f"checkpoint {folder} was saved with parallel layout {saved_layout}, but this run uses "
-            f"{layout}; resume with the same parallel.* settings and world size, or convert the "
-            f"checkpoint with recipes/convert_checkpoint.py")
-    payload = torch.load(os.path.join(folder, f"rank_{_rank():03d}.pt"), map_location="cpu",
-                         weights_only=False)
-    set_rng_state(payload.pop("rng"))
-    return payload
+    common = dist_checkpoint.load_sharded(os.path.join(folder, SHARDS), ddp_model, optimizer)
+    if saved_layout(run_dir, step) == layout:
+        set_rng_state(torch.load(os.path.join(folder, "rng", f"rank_{_rank():03d}.pt"), weights_only=False))
+    return common
+
+
+def load_model_weights(run_dir: str, step: int, model) -> None:
+    """Only the model's weights of ``step``, into ``model`` at the current layout (collective):
+    evaluation and HF export."""
+    dist_checkpoint.load_model(os.path.join(checkpoint_dir(run_dir, step), SHARDS), model)

@@ -59,6 +59,7 @@ class ParallelConfig:
     # binned so that rows x longest row <= budget, each micro-batch trimmed to its longest row.
     max_tokens_per_micro_batch: Optional[int] = None
     sequence_packing: bool = False  # THD packing of each budget micro-batch (GPU, Transformer Engine only)
+    timeout_minutes: float = 30.0   # collectives (and sharded checkpoint saves) may wait this long
 
 
 @dataclass
@@ -289,6 +290,7 @@ def _check_engine_sections(c: ExperimentConfig) -> None:
                        ("rollout.max_new_tokens", r.max_new_tokens), ("rollout.temperature", r.temperature),
                        ("parallel.tensor", p.tensor), ("parallel.pipeline", p.pipeline),
                        ("parallel.micro_batch_size", p.micro_batch_size),
+                       ("parallel.timeout_minutes", p.timeout_minutes),
                        ("eval.n_samples", e.n_samples), ("eval.temperature", e.temperature)]:
         _positive(key, value)
     if r.n < 2:

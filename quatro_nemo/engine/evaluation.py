@@ -16,8 +16,10 @@ import torch.distributed as dist
 
 from quatro_nemo.eval.passk import pass_at_k, power_of_two_ks, ucc_at_k, unique_correct_ratio
 from quatro_nemo.eval.similarity import cluster_near_duplicates
+from quatro_nemo.engine.rollout import model_inputs
 from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.batching import MicroBatching
+from quatro_nemo.megatron.compat import current_device
 from quatro_nemo.megatron.forward import compute_logprobs
 from quatro_nemo.megatron.sampling import SamplingParams
 
@@ -70,9 +72,9 @@ def evaluate_policy(policy, backend, task, problems: Sequence[Dict[str, Any]], c
                                 max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed + EVAL_SEED_TAG)
         rollout, responses = task.sample(backend, local_problems, mine, n, params)
         rewards = task.verifier.score_batch([p for p in local_problems for _ in range(n)], responses)
-        batch = {"tokens": rollout.tokens, "position_ids": rollout.position_ids, "lengths": rollout.lengths}
+        batch = model_inputs(rollout, current_device())
         _, entropy = compute_logprobs(policy, batch, MicroBatching.from_parallel_config(cfg.parallel))
-        mask = rollout.response_mask.float()
+        mask = rollout.response_mask.float().to(entropy.device)
         entropy_sum, token_count = float((entropy * mask).sum()), float(mask.sum())
         for j, problem in enumerate(local_problems):
             texts = responses[j * n:(j + 1) * n]

@@ -38,11 +38,10 @@ def generate_samples(checkpoint: str, problems: Sequence[Dict[str, Any]], num_sa
     """`num_samples` responses per problem: the problem records plus `responses` (the samples layout)."""
     run_dir, step = _run_dir_and_step(checkpoint)
     cfg = validate(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
-    layout = parallel.initialize_parallel(1, 1, seed=cfg.run.seed)
-    state = ckpt.load_checkpoint(run_dir, step, ckpt.layout_signature(layout))
+    parallel.initialize_parallel(1, 1, seed=cfg.run.seed)
     task = build_task(cfg)
     model = build_model(task.model_config(cfg.model))
-    model.load_state_dict(state["model"])
+    ckpt.load_model_weights(run_dir, step, model)   # any training layout loads into TP=1, PP=1
     backend = MegatronRolloutBackend(model, eos_id=task.eos_id, pad_id=task.pad_id)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     with torch.no_grad():

@@ -8,12 +8,17 @@
         log pi_old, log pi_ref <- Megatron forward under TP/PP
         repeat K times (inner loops; pi_old stays the rollout policy):
             for each mini-batch: Megatron forward/backward of the registry loss with GLOBAL
-                                 normalisers -> DP grad all-reduce -> clip -> AdamW step
+                                 normalisers -> megatron DDP grad reduction -> megatron
+                                 (distributed) optimizer step, which clips the global grad norm
         metrics -> metrics.jsonl / TensorBoard; checkpoint; periodic held-out evaluation
 
 Every algorithm runs through this same function: only `spec.advantage_estimator`, `spec.policy_loss`
 and the config differ. Data parallelism splits each mini-batch's prompts across DP ranks (a group of
 N responses never straddles ranks), so the optimizer sees the same global batch in any layout.
+
+One run device: rollout book-keeping and rewards live on the CPU; every tensor that reaches the
+model, the loss or a collective is on ``current_device()`` (the rank's GPU, or the CPU without
+CUDA).
 """
 from __future__ import annotations
 
@@ -37,12 +42,13 @@ from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy
 from quatro_nemo.engine.logging import MetricsLogger
-from quatro_nemo.engine.optim import build_optimizer
+from quatro_nemo.engine.memory_plan import section_from_dict
 from quatro_nemo.engine.report import write_report
-from quatro_nemo.engine.rollout import get_rollout_backend
+from quatro_nemo.engine.rollout import get_rollout_backend, model_inputs
 from quatro_nemo.engine.task import Task, build_task
 from quatro_nemo.megatron.sampling import SamplingParams
-from quatro_nemo.megatron import parallel
+from quatro_nemo.megatron import parallel, training
+from quatro_nemo.megatron.compat import current_device
 from quatro_nemo.megatron.batching import MicroBatching
 from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
 from quatro_nemo.megatron.models import build_model
@@ -74,7 +80,7 @@ class PreemptionFlag:
 
     def any_rank_signalled(self) -> bool:
         """True on every rank if any rank was signalled (a collective)."""
-        flag = torch.tensor([1.0 if self.signal_name else 0.0])
+        flag = torch.tensor([1.0 if self.signal_name else 0.0], device=current_device())
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -120,44 +126,20 @@ def all_gather_dp(tensor: torch.Tensor) -> List[torch.Tensor]:
 
 def dp_sum(value: torch.Tensor) -> float:
     """Sum of a scalar over data-parallel ranks."""
-    total = value.detach().double().reshape(1).clone()
+    total = value.detach().double().reshape(1).clone().to(current_device())
     if parallel.dp_size() > 1:
         dist.all_reduce(total, group=parallel.dp_group())
     return float(total)
 
 
 def global_rewards(local_rewards: torch.Tensor, batch_size: int, mini_batch_size: int) -> torch.Tensor:
-    """[B, N] rewards in global prompt order from each DP rank's [B/dp, N] share."""
+    """[B, N] rewards in global prompt order from each DP rank's [B/dp, N] share (run device)."""
     dp = parallel.dp_size()
-    out = torch.empty(batch_size, local_rewards.shape[1], dtype=local_rewards.dtype)
+    local_rewards = local_rewards.to(current_device())
+    out = torch.empty(batch_size, local_rewards.shape[1], dtype=local_rewards.dtype, device=local_rewards.device)
     for rank, part in enumerate(all_gather_dp(local_rewards)):
         out[local_prompt_slots(batch_size, mini_batch_size, rank, dp)] = part
     return out
-
-
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the gradient over every model-parallel shard (TP and PP), then clip.
-
-    Each logical parameter counts once: TP-duplicated parameters (norms, row-parallel biases) only on
-    TP rank 0, and the last stage's copy of a tied embedding (megatron marks it `shared`) not at all.
-    Gradients are identical across DP ranks after the DP all-reduce, so no DP reduction is needed."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
-    from megatron.core.transformer.module import param_is_not_shared
-
-    square_sum = torch.zeros(1, dtype=torch.float64)
-    for p in model.parameters():
-        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-            square_sum += p.grad.double().pow(2).sum()
-    if dist.is_initialized():
-        dist.all_reduce(square_sum, group=ps.get_model_parallel_group())
-    total_norm = square_sum.sqrt()
-    if max_norm > 0:
-        scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0).float()
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return total_norm.float()
 
 
 def derive_seed(*parts: Any) -> int:
@@ -183,15 +165,14 @@ def kept_groups(rewards: torch.Tensor, algo_cfg) -> torch.Tensor:
     return torch.ones(rewards.shape[0])
 
 
-def make_batch(rollout, advantages: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """The Megatron batch layout of docs/interfaces.md."""
-    return {
-        "tokens": rollout.tokens,
-        "position_ids": rollout.position_ids,
-        "response_mask": rollout.response_mask.float(),
-        "advantages": advantages.float(),
-        "lengths": rollout.lengths,
-    }
+def make_batch(rollout, advantages: torch.Tensor, group_weights: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The Megatron batch layout of docs/interfaces.md, on the run device. `group_weights` [S] are
+    1/0 per row (groups dropped by dynamic sampling leave the loss)."""
+    batch = model_inputs(rollout, current_device())
+    batch["response_mask"] = rollout.response_mask.to(batch["tokens"].device).float() * group_weights.to(
+        batch["tokens"].device).float()[:, None]
+    batch["advantages"] = advantages.to(batch["tokens"].device).float()
+    return batch
 
 
 def slice_batch(batch: Dict[str, torch.Tensor], rows: slice) -> Dict[str, torch.Tensor]:
@@ -212,16 +193,84 @@ def select_device(device: str) -> None:
         raise RuntimeError("trainer.device=cuda, but no CUDA device is available (use trainer.device=cpu)")
 
 
+def update_policy(policy_ddp, optimizer, batch: Dict[str, torch.Tensor], spec, algo_cfg, trainer,
+                  rows_per_mini: int, batching: MicroBatching, optimizer_steps_done: int) -> List[Dict[str, float]]:
+    """K inner loops over one rollout batch (step 6): each mini-batch of `rows_per_mini` local rows
+    is one optimizer step. Returns each update's metrics (loss metrics, grad_norm, lr)."""
+    loss_name = ALGORITHMS[spec.name][1]
+    updates: List[Dict[str, float]] = []
+    for _inner in range(trainer.inner_loops):
+        for start in range(0, batch["tokens"].shape[0], rows_per_mini):
+            mini = slice_batch(batch, slice(start, start + rows_per_mini))
+            if dp_sum(mini["response_mask"].sum()) == 0:
+                continue  # every group of this mini-batch was filtered out (dynamic sampling)
+            lr = training.warmup_learning_rate(trainer.lr, trainer.lr_warmup_steps, optimizer_steps_done)
+            training.set_learning_rate(optimizer, lr)
+            training.zero_gradients(policy_ddp, optimizer)
+            metrics = train_step_forward_backward(policy_ddp, mini, loss_name, algo_cfg, batching)
+            metrics["grad_norm"] = training.optimizer_step(policy_ddp, optimizer)
+            metrics["lr"] = lr
+            optimizer_steps_done += 1
+            updates.append(metrics)
+    return updates
+
+
+@dataclass
+class RolloutLearning:
+    """What :func:`learn_from_rollout` returns: the estimator's output (``advantages`` [B, N] and
+    its metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], and the
+    ``time.perf_counter()`` at which the log-prob passes ended."""
+
+    advantages: Any
+    metrics: List[Dict[str, float]]
+    old_entropy: torch.Tensor
+    t_logprobs: float
+
+
+def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
+                       shaped: torch.Tensor, slots: List[int], optimizer_steps_done: int) -> RolloutLearning:
+    """Steps 4-6 of a training step on this rank's rollout, shared by :func:`train` and
+    ``benchmarks/bench_step.py`` (which replays saved rollouts through it).
+
+    ``shaped``: the global [B, N] rewards after length shaping; ``slots``: this DP rank's global
+    prompt positions (:func:`local_prompt_slots`). Collective over all ranks.
+    """
+    n = cfg.rollout.n
+    batching = MicroBatching.from_parallel_config(cfg.parallel)
+
+    # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
+    advantage_out = spec.advantage_estimator(shaped, cfg.algorithm)
+    advantages = advantage_out.advantages[slots].reshape(-1)
+
+    # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
+    group_weights = kept_groups(shaped, cfg.algorithm)[slots].repeat_interleave(n)
+    batch = make_batch(rollout, advantages, group_weights)
+    with torch.no_grad():
+        batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, batching)
+        if reference is not None:
+            batch["ref_logprobs"], _ = compute_logprobs(reference, batch, batching)
+    t_logprobs = time.perf_counter()
+
+    # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
+    rows_per_mini = (cfg.trainer.mini_batch_prompts or cfg.trainer.prompts_per_step) // parallel.dp_size() * n
+    update_metrics = update_policy(policy_ddp, optimizer, batch, spec, cfg.algorithm, cfg.trainer,
+                                   rows_per_mini, batching, optimizer_steps_done)
+    if update_metrics:
+        backend.update_weights()
+    return RolloutLearning(advantage_out, update_metrics, old_entropy, t_logprobs)
+
+
 def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     quiet_library_warnings()
     select_device(cfg.trainer.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    layout = parallel.initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.run.seed)
+    layout = parallel.initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.run.seed,
+                                          timeout_minutes=cfg.parallel.timeout_minutes)
     rank0 = layout.rank == 0
     run_dir = cfg.run.dir
     spec = get_algorithm(cfg.algorithm_name)
-    loss_name = ALGORITHMS[cfg.algorithm_name][1]
     trainer, rollout_cfg = cfg.trainer, cfg.rollout
+    scale = section_from_dict("scale", cfg.other.get("scale"))
     batch_size = trainer.prompts_per_step
     mini_batch_size = trainer.mini_batch_prompts or batch_size
     dp, dp_rank = layout.data_parallel, layout.dp_rank
@@ -235,29 +284,31 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     model_cfg = task.model_config(cfg.model)
     base_state = task.load_base_state(model_cfg)    # full (TP=1, PP=1) state dict, same on all ranks
 
+    # The policy (sampling and log-probs use it directly), megatron's DDP around it for training,
+    # and megatron's (distributed) optimizer.
     policy = build_model(model_cfg)
     load_full_state_dict(policy, base_state)
+    policy_ddp = training.wrap_for_training(policy, distributed_optimizer=scale.distributed_optimizer)
+    optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
+        lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
+        adam_beta2=trainer.adam_beta2, adam_eps=trainer.adam_eps, grad_clip=trainer.grad_clip))
     reference = None
     if getattr(cfg.algorithm, "beta", 0.0) > 0:
         reference = build_model(model_cfg)
         load_full_state_dict(reference, base_state)
         reference.requires_grad_(False)
-    optimizer, scheduled = build_optimizer(policy, trainer.lr, (trainer.adam_beta1, trainer.adam_beta2),
-                                           trainer.adam_eps, trainer.weight_decay)
-    warmup = max(trainer.lr_warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda s: min(1.0, (s + 1) / warmup))
+    del base_state
     backend = get_rollout_backend(rollout_cfg.backend, model=policy, eos_id=task.eos_id, pad_id=task.pad_id)
+    # A colocated rollout engine needs the device memory the optimizer state and gradients hold.
+    offload_in_rollout = scale.offload_optimizer_in_rollout and rollout_cfg.backend == "vllm"
 
-    # Resume.
+    # Resume (any parallel layout: the checkpoint is sharded by megatron's dist_checkpointing).
     ckpt_layout = ckpt.layout_signature(layout)
-    start_step = 0
+    start_step, optimizer_steps_done = 0, 0
     resume_from = ckpt.latest_step(run_dir) if cfg.run.resume else None
     if resume_from is not None:
-        state = ckpt.load_checkpoint(run_dir, resume_from, ckpt_layout)
-        policy.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_step = state["next_step"]
+        position = ckpt.load_checkpoint(run_dir, resume_from, policy_ddp, optimizer, ckpt_layout)
+        start_step, optimizer_steps_done = position["next_step"], position["optimizer_steps"]
     logger = MetricsLogger(run_dir, enabled=rank0, resumed_step=resume_from, tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                            config=OmegaConf.to_container(cfg.raw, resolve=True))
@@ -292,7 +343,11 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         params = SamplingParams(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                                 max_new_tokens=rollout_cfg.max_new_tokens,
                                 seed=derive_seed(cfg.run.seed, "rollout", step))
+        if offload_in_rollout:
+            training.offload_training_state(policy_ddp, optimizer)
         rollout, responses = task.sample(backend, problems, slots, rollout_cfg.n, params)
+        if offload_in_rollout:
+            training.reload_training_state(policy_ddp, optimizer)
         t_rollout = time.perf_counter()
 
         # 3. Rewards [B_local, N] -> global [B, N] (advantage estimators may use batch statistics).
@@ -304,15 +359,15 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
                                 batch_size, mini_batch_size)
 
         # 4-6. Advantages, log pi_old / log pi_ref, K inner loops of optimizer steps.
-        update = update_policy(cfg, spec, loss_name, policy, reference, optimizer, scheduler, backend,
-                               rollout, shaped, slots)
-        advantage_out, update_metrics, old_entropy = update.advantages, update.metrics, update.old_entropy
-        t_logprobs = update.t_logprobs
-        t_update = time.perf_counter()
+        learned = learn_from_rollout(cfg, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
+                                     shaped, slots, optimizer_steps_done)
+        advantage_out, update_metrics, old_entropy = learned.advantages, learned.metrics, learned.old_entropy
+        optimizer_steps_done += len(update_metrics)
+        t_logprobs, t_update = learned.t_logprobs, time.perf_counter()
 
         # 7. Metrics (identical on every rank), checkpoint, evaluation.
         metrics = _step_metrics(rewards, advantage_out.metrics, update_metrics, rollout, old_entropy)
-        metrics.update({"lr": scheduler.get_last_lr()[0], "time/rollout": t_rollout - t_start,
+        metrics.update({"time/rollout": t_rollout - t_start,
                         "time/logprobs": t_logprobs - t_rollout, "time/update": t_update - t_logprobs,
                         "time/step": time.perf_counter() - t_start})
         if (step + 1) % trainer.log_every == 0 or step + 1 == trainer.steps:
@@ -326,9 +381,9 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
             evaluate(step + 1)   # before the checkpoint: a resumed run never redoes a logged record
         preempted = preemption.any_rank_signalled()
         if done or preempted or (trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0):
-            state = {"model": policy.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "next_step": step + 1}
-            ckpt.save_checkpoint(run_dir, step + 1, state, ckpt_layout, keep=trainer.keep_checkpoints)
+            ckpt.save_checkpoint(run_dir, step + 1, policy_ddp, optimizer,
+                                 {"next_step": step + 1, "optimizer_steps": optimizer_steps_done},
+                                 ckpt_layout, keep=trainer.keep_checkpoints)
         if preempted and not done:
             logger.close()
             raise Preempted(f"{preemption.signal_name or 'signal on another rank'} at step {step + 1}")
@@ -343,61 +398,6 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     return summary
 
 
-@dataclass
-class PolicyUpdate:
-    """What :func:`update_policy` returns: the estimator's output (``advantages`` [B, N] and its
-    metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], and the
-    ``time.perf_counter()`` at which the log-prob passes ended."""
-
-    advantages: Any
-    metrics: List[Dict[str, float]]
-    old_entropy: torch.Tensor
-    t_logprobs: float
-
-
-def update_policy(cfg: ExperimentConfig, spec, loss_name: str, policy, reference, optimizer, scheduler,
-                  backend, rollout, shaped: torch.Tensor, slots: List[int]) -> PolicyUpdate:
-    """Steps 4-6 of a training step on this rank's rollout (shared by :func:`train` and
-    ``benchmarks/bench_step.py``, which replays saved rollouts through it).
-
-    ``shaped``: the global [B, N] rewards after length shaping; ``slots``: this DP rank's global
-    prompt positions (:func:`local_prompt_slots`). Collective over all ranks.
-    """
-    trainer, n = cfg.trainer, cfg.rollout.n
-    batching = MicroBatching.from_parallel_config(cfg.parallel)
-
-    # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
-    advantage_out = spec.advantage_estimator(shaped, cfg.algorithm)
-    advantages = advantage_out.advantages[slots].reshape(-1)
-
-    # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
-    batch = make_batch(rollout, advantages)
-    batch["response_mask"] = batch["response_mask"] * kept_groups(shaped, cfg.algorithm)[slots].repeat_interleave(
-        n)[:, None]
-    with torch.no_grad():
-        batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, batching)
-        if reference is not None:
-            batch["ref_logprobs"], _ = compute_logprobs(reference, batch, batching)
-    t_logprobs = time.perf_counter()
-
-    # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
-    update_metrics: List[Dict[str, float]] = []
-    rows_per_mini = (trainer.mini_batch_prompts or trainer.prompts_per_step) // parallel.dp_size() * n
-    for _inner in range(trainer.inner_loops):
-        for start in range(0, len(slots) * n, rows_per_mini):
-            mini = slice_batch(batch, slice(start, start + rows_per_mini))
-            if dp_sum(mini["response_mask"].sum()) == 0:
-                continue  # every group of this mini-batch was filtered out (dynamic sampling)
-            optimizer.zero_grad(set_to_none=False)
-            metrics = train_step_forward_backward(policy, mini, loss_name, cfg.algorithm, batching)
-            metrics["grad_norm"] = float(clip_grad_norm(policy, trainer.grad_clip))
-            optimizer.step()
-            scheduler.step()
-            backend.update_weights()
-            update_metrics.append(metrics)
-    return PolicyUpdate(advantage_out, update_metrics, old_entropy, t_logprobs)
-
-
 def _step_metrics(rewards, advantage_metrics, update_metrics, rollout, old_entropy) -> Dict[str, float]:
     """Per-step training metrics, reduced identically on every rank."""
     out: Dict[str, float] = {
@@ -410,9 +410,9 @@ def _step_metrics(rewards, advantage_metrics, update_metrics, rollout, old_entro
         values = [m[key] for m in update_metrics]
         out[key] = max(values) if key.endswith("/max") else (
             min(values) if key.endswith("/min") else sum(values) / len(values))
-    mask = rollout.response_mask.float()  # every sampled token, including filtered groups
+    mask = rollout.response_mask.to(old_entropy.device).float()  # every sampled token, filtered groups too
     local = torch.tensor([float((old_entropy * mask).sum()), float(mask.sum()), float(mask.shape[0])],
-                         dtype=torch.float64)
+                         dtype=torch.float64, device=current_device())
     if dist.is_initialized() and parallel.dp_size() > 1:
         dist.all_reduce(local, group=parallel.dp_group())
     out["entropy"] = float(local[0] / local[1].clamp(min=1))

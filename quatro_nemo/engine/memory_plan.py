@@ -2,30 +2,69 @@
 
 For a model shape, a parallel layout and the batch settings, :func:`plan_memory` returns the
 memory one GPU needs in each phase of a colocated RL step (training with megatron-core, rollout
-with vLLM) and the rollout token budget, and :func:`check_plan` refuses a layout that cannot fit
-with a :class:`PlanError` naming the setting to change. ``recipes/plan_memory.py`` prints it.
+with vLLM) and the rollout token budget, :func:`check_engine_support` refuses a layout the engine
+cannot run and :func:`check_plan` one that cannot fit, each with a :class:`PlanError` naming the
+setting to change. ``recipes/plan_memory.py`` prints it (``--json`` for scripts).
 
-Sources of the arithmetic (each used once, in the function named):
+It models what the engine does (issue 14), reading the keys the engine obeys
+(``scale.distributed_optimizer``, ``scale.offload_optimizer_in_rollout``,
+``scale.reference_on_gpu``, ``vllm.*``, ``parallel.*``, ``trainer.*``, ``model.*``). Each term,
+per GPU of the most loaded pipeline stage, with ``P`` its parameters and ``d`` the data-parallel
+size (:func:`training_state_bytes`, :func:`plan_memory`):
 
+- **Weights** ``P x 2`` (bf16) or ``P x 4`` (float32): megatron-core ``GPTModel`` parameters
+  (``quatro_nemo.megatron.models.build_model``; with the distributed optimizer they become views
+  of DDP's contiguous parameter buffer, no second copy).
+- **Gradients** ``P x 4``: megatron-core ``DistributedDataParallel(grad_reduce_in_fp32=True)``
+  allocates one float32 gradient buffer for every parameter (``param_and_grad_buffer.py``,
+  ``grad_data``), unsharded even with the distributed optimizer (it reduce-scatters in place).
+- **Optimizer** (``get_megatron_optimizer``, Adam): float32 main parameters (bf16 models only:
+  ``Float16OptimizerWithFloat16Params`` / the distributed optimizer's ``shard_main_param``; a
+  float32 model's main parameters are its weights) and Adam's ``exp_avg`` and ``exp_avg_sq``
+  (8 bytes); divided by ``d`` with ``scale.distributed_optimizer``. Together: Megatron-LM
+  ``docs/source/api-guide/dist_optimizer.md``, "bf16 param, fp32 grads: 18 (plain), 6 + 12/d
+  (distributed)"; "fp32 param, fp32 grads: 16 and 8 + 8/d".
+- **Activations** in the parameters' dtype: Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models" (arXiv:2205.05198), Sec. 4.1, redone for a pre-norm
+  RMSNorm/SwiGLU/GQA layer without dropout (:func:`layer_activation_elements`); flash attention
+  (Transformer Engine's layer spec) stores no ``s x s`` scores, megatron's local spec (no TE: the
+  CPU, or a GPU without TE) does. Full recomputation keeps each layer's input plus one layer's
+  activations. A 1F1B pipeline keeps ``min(PP, micro-batches)`` micro-batches in flight on the
+  first stage (Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2).
+- **Logits** of one micro-batch, ``b x s x V/TP`` elements on the last stage, at
+  :data:`LOSS_BYTES_PER_LOGIT` bytes each at the peak of the loss's backward
+  (``quatro_nemo.megatron.logprobs._VocabParallelLogProbsEntropy``: the float32 logits it saves
+  (bf16 models: megatron's ``Float16Module`` casts the logits to float32 first), then in its
+  backward ``shifted``, ``probs``, ``grad`` and three temporaries of the entropy term, whose
+  incoming gradient autograd materialises as zeros although the loss does not use it: 7 x 4
+  bytes). Measured on the CPU: 29.4 bytes (``tests/engine/test_memory_reality.py``).
+- **Optimizer-step transients** (after the backward, so they do not add to activations):
+  Transformer Engine / apex ``FusedAdam`` and ``multi_tensor_scale`` update in place (0); torch's
+  ``AdamW`` fallback (megatron without TE/apex) allocates ``sqrt(exp_avg_sq)`` for the whole
+  parameter group on CUDA (``foreach``: 4 bytes per optimizer parameter) or per tensor on the CPU
+  (``sqrt`` and the division: 8 bytes x the largest tensor); megatron's local
+  ``multi_tensor_scale`` (gradient clipping) one gradient-sized temporary at a time. On the CPU,
+  gloo's reduce-scatter / all-gather of DDP's flat buffers (distributed optimizer, ``d > 1``)
+  allocates one buffer-sized temporary (NCCL works in place).
+- **Reference policy** (``algorithm.beta > 0``, ``scale.reference_on_gpu``): a second model of the
+  same dtype, no gradients or optimizer.
+- **Weight push to vLLM** (``quatro_nemo.megatron.checkpoint.iter_full_parameters``, one full
+  tensor at a time): the TP shards gathered, their concatenation, and the previous tensor vLLM's
+  ``load_weights`` still holds: 3 (TP > 1) or 2 (TP = 1) copies of the largest full tensor.
+- **Rollout phase**: with ``scale.offload_optimizer_in_rollout`` the engine moves the optimizer
+  state and DDP's gradient buffer to the host before vLLM wakes (NeMo-RL's
+  ``offload_before_refit``), so only the weights (and pi_ref) stay.
+- **KV cache**: ``2 (K and V) x layers x KV heads x head_dim x 2 bytes`` per token, KV heads split
+  over the vLLM TP ranks (replicated when TP > KV heads), as vLLM allocates it.
 - Parameter counts: the Qwen2 / GPT decoder layer's tensors (:func:`stage_parameter_counts`);
   checked against ``transformers``' Qwen2 and the published Qwen2.5 totals (1,543,714,304 and
   7,615,616,512 parameters).
-- Weights + gradients + Adam state: Megatron-LM ``docs/source/api-guide/dist_optimizer.md``,
-  bytes per parameter "bf16 param, fp32 grads: 18 (plain), 6 + 12/d (distributed optimizer)";
-  "fp32 param, fp32 grads: 16 and 8 + 8/d" (:func:`weight_bytes_per_parameter`).
-- Activations: the per-tensor accounting of Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models" (arXiv:2205.05198), Sec. 4.1, redone for a pre-norm
-  RMSNorm/SwiGLU/GQA layer without dropout; flash attention stores no ``s x s`` scores
-  (:func:`layer_activation_elements`). Full recomputation keeps each layer's input plus one
-  layer's activations. A 1F1B pipeline keeps ``min(PP, micro-batches)`` micro-batches in flight on
-  the first stage (Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2).
-- Logits: ``[s, b, V/TP]`` in bf16 plus an fp32 copy and its fp32 gradient for the log-softmax
-  (10 bytes per element) on the last stage.
-- KV cache: ``2 (K and V) x layers x KV heads x head_dim x 2 bytes`` per token, KV heads split over
-  the vLLM TP ranks (replicated when TP > KV heads), as vLLM allocates it.
 
 It is a plan, not a measurement: a fixed ``cluster.reserve_gb`` covers the CUDA context, NCCL
-buffers and allocator fragmentation. Check a new layout with ``scripts/gpu_check.sh`` style runs.
+buffers and allocator fragmentation (0 on the CPU). ``train_peak_allocated_gb`` is what
+``torch.cuda.max_memory_allocated()`` should reach in training (``scripts/gpu_check.sh`` prints
+the two side by side); the CPU flavour is checked against the measured peak resident memory of
+real training steps (``tests/engine/test_memory_reality.py``).
 """
 from __future__ import annotations
 
@@ -62,10 +101,9 @@ class ScaleConfig:
     """``scale:`` megatron-core settings that matter at scale (the CPU default ignores them)."""
 
     max_prompt_tokens: int = 512         # prompts longer than this are dropped (verl's default)
-    distributed_optimizer: bool = True   # shard fp32 master weights + Adam state over DP
-    flash_attention: bool = True         # TE / flash attention: no s x s scores stored
-    reference_on_gpu: bool = True        # pi_ref's bf16 weights stay on the GPU (beta > 0)
-    offload_optimizer_in_rollout: bool = True  # grads + optimizer state to CPU while vLLM samples
+    distributed_optimizer: bool = True   # shard fp32 main weights + Adam state over DP (megatron)
+    reference_on_gpu: bool = True        # pi_ref's weights stay on the GPU (beta > 0)
+    offload_optimizer_in_rollout: bool = True  # grads + optimizer state to the host while vLLM samples
 
 
 @dataclass
@@ -123,6 +161,9 @@ class ModelShape:
         if cfg.normalization != "RMSNorm" or cfg.position_embedding != "rope":
             raise PlanError(f"model.normalization={cfg.normalization!r}, model.position_embedding="
                             f"{cfg.position_embedding!r}: the planner covers RMSNorm + RoPE decoders (qwen2)")
+        if cfg.params_dtype == "float16":
+            raise PlanError("model.params_dtype=float16: the engine's megatron optimizer runs without a loss "
+                            "scaler; use bfloat16 (GPU) or float32")
         return cls(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
             num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
@@ -168,6 +209,7 @@ class Layout:
     tensor_parallel: int
     pipeline_parallel: int
     full_recompute: bool = False  # megatron's recompute_granularity="full" (model.extra)
+    sequence_parallel: bool = False  # megatron's sequence_parallel (model.extra)
 
     @staticmethod
     def recompute_from_model(model: Mapping[str, object]) -> bool:
@@ -177,6 +219,29 @@ class Layout:
         if granularity not in (None, "full", "selective"):
             raise PlanError(f"model.extra.recompute_granularity={granularity!r}: expected full, selective or null")
         return granularity == "full"
+
+
+@dataclass
+class Runtime:
+    """What the machine, not the config, decides: the device, and whether Transformer Engine (its
+    layer spec: flash attention; its FusedAdam) or apex (FusedAdam) import, which selects
+    megatron-core's code paths (``quatro_nemo.megatron.models._layer_spec``,
+    ``megatron.core.optimizer``'s ``USING_PYTORCH_OPTIMIZER``)."""
+
+    device: str = "cuda"             # cuda | cpu (the CPU flavour: no CUDA reserve, gloo)
+    transformer_engine: bool = True  # TE layer spec: flash attention, no s x s scores stored
+    fused_adam: bool = True          # TE or apex FusedAdam (else torch.optim.AdamW)
+    rollout_backend: str = "vllm"    # rollout.backend: vllm | megatron (no vLLM memory)
+
+    @classmethod
+    def detect(cls, device: str, rollout_backend: str) -> "Runtime":
+        """This machine's runtime for ``trainer.device`` (``auto`` plans a GPU) without importing
+        the packages (``importlib.util.find_spec``)."""
+        from importlib.util import find_spec
+
+        te = find_spec("transformer_engine") is not None
+        return cls(device="cpu" if device == "cpu" else "cuda", transformer_engine=te,
+                   fused_adam=te or find_spec("apex") is not None, rollout_backend=rollout_backend)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,11 +295,49 @@ def stage_parameter_counts(m: ModelShape, layout: Layout) -> List[int]:
     return counts
 
 
-def weight_bytes_per_parameter(bytes_per_param: int, distributed_optimizer: bool, data_parallel: int) -> float:
-    """Params + grads + Adam state per parameter (Megatron-LM dist_optimizer.md table)."""
-    if bytes_per_param == 2:  # bf16 params, fp32 grads, fp32 master + Adam m, v
-        return 6 + 12 / data_parallel if distributed_optimizer else 18
-    return 8 + 8 / data_parallel if distributed_optimizer else 16  # fp32 params and grads
+GRAD_BYTES = 4         # DDP's gradient buffer: grad_reduce_in_fp32=True
+MAIN_PARAM_BYTES = 4   # float32 main parameters of a bf16 model
+ADAM_BYTES = 8         # Adam's exp_avg and exp_avg_sq, float32
+
+
+def training_state_bytes(bytes_per_param: int, distributed_optimizer: bool, data_parallel: int) -> Dict[str, float]:
+    """Bytes per parameter of the weights, DDP's gradient buffer and the optimizer (float32 main
+    parameters of a bf16 model + Adam moments, sharded over DP by the distributed optimizer).
+    Sums to Megatron-LM's dist_optimizer.md table: 18 / 6 + 12/d (bf16), 16 / 8 + 8/d (fp32)."""
+    main_params = MAIN_PARAM_BYTES if bytes_per_param < 4 else 0  # a float32 model steps its weights
+    shards = data_parallel if distributed_optimizer else 1
+    return {"weights": float(bytes_per_param), "grads": float(GRAD_BYTES),
+            "optimizer": (main_params + ADAM_BYTES) / shards}
+
+
+def largest_tensor_elements(m: ModelShape, tp: int) -> int:
+    """Elements of this GPU's largest parameter shard: the (vocab-parallel) embedding / output
+    layer, or a layer's fc1 (column-parallel, ``2f x h`` with SwiGLU)."""
+    fc1_rows = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
+    return max(m.vocab_size * m.hidden_size, fc1_rows * m.hidden_size) // tp
+
+
+def largest_full_tensor_elements(m: ModelShape) -> int:
+    """Elements of the largest full (TP-gathered) tensor the weight push streams."""
+    return largest_tensor_elements(m, 1)
+
+
+def optimizer_step_transient_bytes(m: ModelShape, tp: int, optimizer_parameters: float, grad_buffer_elements: int,
+                                   runtime: Runtime, distributed_optimizer: bool, data_parallel: int) -> float:
+    """Peak temporary memory of ``optimizer.step()`` (gradient clipping, Adam) and the DDP
+    collectives around it, after the backward (module doc, "Optimizer-step transients")."""
+    largest = largest_tensor_elements(m, tp)
+    if runtime.fused_adam:
+        adam = 0.0
+    elif runtime.device == "cuda":
+        adam = 4.0 * optimizer_parameters          # torch AdamW foreach: sqrt(exp_avg_sq) of the group
+    else:
+        adam = 8.0 * min(largest, optimizer_parameters)  # single-tensor AdamW: sqrt, then / bias correction
+    clip = 0.0 if runtime.fused_adam else GRAD_BYTES * largest  # megatron's local multi_tensor_scale
+    gloo = 0.0
+    if runtime.device == "cpu" and distributed_optimizer and data_parallel > 1:
+        gloo = float(GRAD_BYTES * grad_buffer_elements)  # reduce-scatter / all-gather temporary
+    return max(adam, clip, gloo)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,28 +369,43 @@ def layer_activation_elements(m: ModelShape, tokens: int, tp: int, flash_attenti
 # ---------------------------------------------------------------------------------------------
 
 
+LOSS_BYTES_PER_LOGIT = 28  # the loss's backward peak per logit element (module doc, "Logits")
+
+
 @dataclass
 class MemoryPlan:
     """Per-GPU figures in GB (decimal), and the rollout budget. ``train_phase_gb`` /
-    ``rollout_phase_gb`` are what one GPU needs in each phase; both must fit ``gpu_memory_gb``."""
+    ``rollout_phase_gb`` are what one GPU needs in each phase; both must fit ``gpu_memory_gb``.
+    ``train_peak_allocated_gb`` is the training phase without the reserve: the tensors alone, what
+    ``torch.cuda.max_memory_allocated()`` (or, on the CPU, the peak resident memory a training
+    step adds) should reach."""
 
     world_size: int
     tensor_parallel: int
     pipeline_parallel: int
     data_parallel: int
     full_recompute: bool
+    device: str
+    distributed_optimizer: bool
     total_parameters: int
     parameters_per_gpu: int
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
     weights_grads_optimizer_gb: float
     activations_gb: float
     logits_gb: float
+    optimizer_step_transient_gb: float
     reference_gb: float
     reserve_gb: float
     vllm_while_training_gb: float
+    train_peak_allocated_gb: float
     train_phase_gb: float
     resident_during_rollout_gb: float
+    weight_push_gb: float
     vllm_gb: float
     rollout_phase_gb: float
+    peak_allocated_gb: float           # max of both phases without the reserve: max_memory_allocated()
     gpu_memory_gb: float
     kv_cache_gb: float
     kv_bytes_per_token: float
@@ -302,28 +420,51 @@ class MemoryPlan:
     estimated_train_seconds: float     # at cluster.assumed_mfu
     notes: List[str] = field(default_factory=list)
 
+    @property
+    def uses_vllm(self) -> bool:
+        return self.vllm_gb > 0
+
     def as_dict(self) -> Dict[str, object]:
         return asdict(self)
 
+    def compare_peak(self, measured_gb: float) -> str:
+        """One line: a measured peak (``torch.cuda.max_memory_allocated()`` over a run, or the CPU's
+        resident growth) next to :attr:`peak_allocated_gb`."""
+        rollout = max(self.rollout_phase_gb - self.reserve_gb, 0.0)
+        return (f"peak memory per rank: measured {measured_gb:.2f} GB, planned {self.peak_allocated_gb:.2f} GB "
+                f"(training {self.train_peak_allocated_gb:.2f}, rollout {rollout:.2f}, without the "
+                f"{self.reserve_gb:g} GB reserve); measured / planned = {measured_gb / self.peak_allocated_gb:.2f}")
+
     def format(self) -> str:
+        sharding = f"sharded over DP={self.data_parallel}" if self.distributed_optimizer else "not sharded"
         rows = [
             ("layout", f"TP={self.tensor_parallel} PP={self.pipeline_parallel} DP={self.data_parallel} "
-                       f"on {self.world_size} GPUs, full recompute: {self.full_recompute}"),
+                       f"on {self.world_size} {self.device.upper()} ranks, full recompute: {self.full_recompute}"),
             ("parameters (total / per GPU)", f"{self.total_parameters / 1e9:.3f} B / {self.parameters_per_gpu / 1e9:.3f} B"),
-            ("weights + grads + optimizer", f"{self.weights_grads_optimizer_gb:7.2f} GB"),
+            ("weights", f"{self.weights_gb:7.2f} GB"),
+            ("gradient buffer (float32, DDP)", f"{self.grads_gb:7.2f} GB"),
+            ("optimizer (main params + Adam)", f"{self.optimizer_gb:7.2f} GB ({sharding})"),
             ("activations (in flight)", f"{self.activations_gb:7.2f} GB"),
-            ("logits (last stage)", f"{self.logits_gb:7.2f} GB"),
+            ("logits + loss (last stage)", f"{self.logits_gb:7.2f} GB"),
+            ("optimizer-step temporaries", f"{self.optimizer_step_transient_gb:7.2f} GB (not with activations)"),
             ("reference policy weights", f"{self.reference_gb:7.2f} GB"),
             ("vLLM while training", f"{self.vllm_while_training_gb:7.2f} GB"),
+            ("= training peak of tensors", f"{self.train_peak_allocated_gb:7.2f} GB"),
             ("reserve (context, NCCL, fragmentation)", f"{self.reserve_gb:7.2f} GB"),
             ("= training phase", f"{self.train_phase_gb:7.2f} GB of {self.gpu_memory_gb:.0f} GB"),
-            ("training state kept during rollout", f"{self.resident_during_rollout_gb:7.2f} GB"),
-            ("vLLM (weights + KV cache + activations)", f"{self.vllm_gb:7.2f} GB"),
-            ("= rollout phase", f"{self.rollout_phase_gb:7.2f} GB of {self.gpu_memory_gb:.0f} GB"),
-            ("KV cache per engine", f"{self.kv_cache_gb:7.2f} GB ({self.kv_bytes_per_token / 1e3:.1f} kB/token)"),
-            ("rollout token budget per engine", f"{self.rollout_token_budget:,} tokens = "
-                                                f"{self.max_concurrent_sequences} full-length sequences"),
-            ("rollout sequences per engine", f"{self.sequences_per_engine} in {self.rollout_waves} wave(s)"),
+        ]
+        if self.uses_vllm:
+            rows += [
+                ("training state kept during rollout", f"{self.resident_during_rollout_gb:7.2f} GB"),
+                ("weight push to vLLM (transient)", f"{self.weight_push_gb:7.2f} GB"),
+                ("vLLM (weights + KV cache + activations)", f"{self.vllm_gb:7.2f} GB"),
+                ("= rollout phase", f"{self.rollout_phase_gb:7.2f} GB of {self.gpu_memory_gb:.0f} GB"),
+                ("KV cache per engine", f"{self.kv_cache_gb:7.2f} GB ({self.kv_bytes_per_token / 1e3:.1f} kB/token)"),
+                ("rollout token budget per engine", f"{self.rollout_token_budget:,} tokens = "
+                                                    f"{self.max_concurrent_sequences} full-length sequences"),
+                ("rollout sequences per engine", f"{self.sequences_per_engine} in {self.rollout_waves} wave(s)"),
+            ]
+        rows += [
             ("micro-batches per optimizer step", f"{self.num_microbatches} x {self.optimizer_steps_per_rollout} "
                                                  f"optimizer step(s) per rollout"),
             ("tokens per step (upper bound)", f"{self.tokens_per_step:,}"),
@@ -382,59 +523,101 @@ def check_layout(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: S
     return dp
 
 
+def check_engine_support(m: ModelShape, layout: Layout, scale: ScaleConfig, vllm: VllmConfig,
+                         runtime: Runtime) -> List[str]:
+    """Refuse what the engine cannot run (PlanError naming the key); returns notes on settings
+    that run but do nothing."""
+    tp, notes = layout.tensor_parallel, []
+    if m.ffn_hidden_size % tp:
+        raise PlanError(f"parallel.tensor={tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size} "
+                        "(megatron splits the MLP columns evenly)")
+    if layout.sequence_parallel:
+        raise PlanError("model.extra.sequence_parallel=true: the loop pads rollouts to their longest sequence, "
+                        "not to a multiple of parallel.tensor, which megatron's sequence parallelism needs; remove it")
+    if runtime.rollout_backend == "vllm":
+        if layout.pipeline_parallel != 1:
+            raise PlanError(f"parallel.pipeline={layout.pipeline_parallel} with rollout.backend=vllm: the vLLM "
+                            "backend builds its engines inside a tensor-parallel group and needs parallel.pipeline=1")
+        if tp % vllm.tensor_parallel:
+            raise PlanError(f"vllm.tensor_parallel={vllm.tensor_parallel} does not divide parallel.tensor={tp} "
+                            "(each vLLM engine lives inside one megatron tensor-parallel group)")
+    return notes
+
+
 def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: ScaleConfig,
-                vllm: VllmConfig, work: Workload) -> MemoryPlan:
-    """The per-GPU plan (no fit check; see :func:`check_plan`)."""
+                vllm: VllmConfig, work: Workload, runtime: Optional[Runtime] = None) -> MemoryPlan:
+    """The per-GPU plan (no fit check; see :func:`check_plan`). ``runtime`` defaults to a GPU with
+    Transformer Engine and the vLLM backend (the cluster image)."""
+    runtime = runtime or Runtime()
     dp = check_layout(m, layout, cluster, scale, vllm, work)
+    notes = check_engine_support(m, layout, scale, vllm, runtime)
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     world = cluster.nodes * cluster.gpus_per_node
     s, tokens_mb = work.sequence_length, work.tokens_per_micro_batch
-    notes: List[str] = []
+    on_gpu = runtime.device == "cuda"
+    uses_vllm = runtime.rollout_backend == "vllm"
+    if scale.distributed_optimizer and dp == 1:
+        notes.append("scale.distributed_optimizer with data_parallel=1 shards nothing")
+    if on_gpu and not (runtime.transformer_engine and runtime.fused_adam):
+        notes.append("planned for this machine's packages: without Transformer Engine megatron's local attention "
+                     "stores s x s scores; without TE/apex FusedAdam torch's AdamW adds step temporaries "
+                     "(run the planner where the training image's packages are installed)")
 
-    # Weights, grads, optimizer state: the most loaded stage.
+    # Weights, DDP's float32 gradient buffer, optimizer state: the most loaded stage.
     stage_counts = stage_parameter_counts(m, layout)
     per_gpu = max(stage_counts)
-    weights = per_gpu * weight_bytes_per_parameter(m.bytes_per_param, scale.distributed_optimizer, dp)
+    state = {key: per_gpu * value for key, value in
+             training_state_bytes(m.bytes_per_param, scale.distributed_optimizer, dp).items()}
+    training_state = sum(state.values())
+    optimizer_parameters = per_gpu / (dp if scale.distributed_optimizer else 1)
+    step_transient = optimizer_step_transient_bytes(m, tp, optimizer_parameters, per_gpu, runtime,
+                                                    scale.distributed_optimizer, dp)
 
-    # Activations on the first stage (the one with the most micro-batches in flight), for the
-    # largest micro-batch: tokens_mb tokens (the token budget, or micro_batch_size full rows).
-    # Micro-batches per optimizer step: with a budget, at full length (an upper bound).
+    # Activations on the first stage (the one with the most micro-batches in flight), in the
+    # parameters' dtype, for the largest micro-batch: tokens_mb tokens (the token budget, or
+    # micro_batch_size full rows); without Transformer Engine megatron's local attention stores
+    # s x s scores. Micro-batches per optimizer step: with a budget, at full length (an upper bound).
     mini = work.mini_batch_prompts or work.prompts_per_step
     microbatches = math.ceil(mini * work.n // dp * s / tokens_mb)
     in_flight = min(pp, microbatches)
     layers = m.num_layers // pp
-    full_layer = layer_activation_elements(m, tokens_mb, tp, scale.flash_attention, s) * 2  # bf16
+    act_bytes = m.bytes_per_param
+    full_layer = layer_activation_elements(m, tokens_mb, tp, runtime.transformer_engine, s) * act_bytes
     if layout.full_recompute:
-        activations = in_flight * layers * (tokens_mb * m.hidden_size * 2) + full_layer
+        activations = in_flight * layers * (tokens_mb * m.hidden_size * act_bytes) + full_layer
     else:
         activations = in_flight * layers * full_layer
-    logits = tokens_mb * (m.vocab_size / tp) * 10 + tokens_mb * m.hidden_size * 2
+    logits = tokens_mb * (m.vocab_size / tp) * LOSS_BYTES_PER_LOGIT + tokens_mb * m.hidden_size * act_bytes
 
     total = total_parameter_count(m)
-    reference = per_gpu * 2 if (work.uses_reference and scale.reference_on_gpu) else 0.0
-    reserve = cluster.reserve_gb * GB
+    reference_on_device = scale.reference_on_gpu or not on_gpu  # on the CPU everything is in RAM
+    reference = per_gpu * m.bytes_per_param if (work.uses_reference and reference_on_device) else 0.0
+    reserve = cluster.reserve_gb * GB if on_gpu else 0.0
     memory = cluster.gpu_memory_gb * GB
-    vllm_budget = vllm.gpu_memory_utilization * memory
+    vllm_budget = vllm.gpu_memory_utilization * memory if uses_vllm else 0.0
     vllm_while_training = 0.0 if vllm.sleep_between_phases else vllm_budget
-    train_phase = weights + activations + logits + reference + reserve + vllm_while_training
+    train_peak = (training_state + reference + vllm_while_training
+                  + max(activations + logits, step_transient))
+    train_phase = train_peak + reserve
 
-    # Rollout phase: training state kept on the GPU while vLLM samples.
-    resident = per_gpu * m.bytes_per_param + reference + reserve
-    if not scale.offload_optimizer_in_rollout:
-        resident = weights + reference + reserve
-    rollout_phase = resident + vllm_budget
+    # Rollout phase: training state kept on the GPU while vLLM wakes, receives the weights (one
+    # full tensor at a time) and samples.
+    offloaded = scale.offload_optimizer_in_rollout and uses_vllm
+    resident = (state["weights"] if offloaded else training_state) + reference + reserve
+    push = (3 if tp > 1 else 2) * largest_full_tensor_elements(m) * m.bytes_per_param if uses_vllm else 0.0
 
     # vLLM engine: full bf16 weights split over its TP ranks, then KV cache.
     vllm_weights = total * 2 / vllm.tensor_parallel
+    rollout_phase = resident + max(vllm_budget, vllm_weights + push) if uses_vllm else 0.0
     kv_heads_per_rank = max(1, m.num_query_groups // vllm.tensor_parallel)
     kv_bytes_per_token = 2 * m.num_layers * kv_heads_per_rank * m.head_dim * 2
-    kv_cache = vllm_budget - vllm_weights - vllm.activation_reserve_gb * GB
+    kv_cache = vllm_budget - vllm_weights - vllm.activation_reserve_gb * GB if uses_vllm else 0.0
     budget = max(0, int(kv_cache // kv_bytes_per_token)) if kv_cache > 0 else 0
     concurrent = min(budget // s, vllm.max_num_seqs)
     engines = world // vllm.tensor_parallel
     sequences_per_engine = math.ceil(work.prompts_per_step * work.n / engines)
     waves = math.ceil(sequences_per_engine / concurrent) if concurrent > 0 else 0
-    if concurrent == vllm.max_num_seqs:
+    if uses_vllm and concurrent == vllm.max_num_seqs:
         notes.append(f"concurrency capped by vllm.max_num_seqs={vllm.max_num_seqs}")
 
     # Compute: 6 N per trained token (x4/3 with full recompute), 2 N per token for each of the
@@ -446,12 +629,17 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: Sc
 
     return MemoryPlan(
         world_size=world, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
-        full_recompute=layout.full_recompute,
+        full_recompute=layout.full_recompute, device=runtime.device,
+        distributed_optimizer=scale.distributed_optimizer,
         total_parameters=total, parameters_per_gpu=per_gpu,
-        weights_grads_optimizer_gb=weights / GB, activations_gb=activations / GB, logits_gb=logits / GB,
+        weights_gb=state["weights"] / GB, grads_gb=state["grads"] / GB, optimizer_gb=state["optimizer"] / GB,
+        weights_grads_optimizer_gb=training_state / GB, activations_gb=activations / GB, logits_gb=logits / GB,
+        optimizer_step_transient_gb=step_transient / GB,
         reference_gb=reference / GB, reserve_gb=reserve / GB, vllm_while_training_gb=vllm_while_training / GB,
-        train_phase_gb=train_phase / GB, resident_during_rollout_gb=resident / GB, vllm_gb=vllm_budget / GB,
-        rollout_phase_gb=rollout_phase / GB, gpu_memory_gb=cluster.gpu_memory_gb,
+        train_peak_allocated_gb=train_peak / GB, train_phase_gb=train_phase / GB,
+        resident_during_rollout_gb=resident / GB if uses_vllm else 0.0, weight_push_gb=push / GB,
+        vllm_gb=vllm_budget / GB, rollout_phase_gb=rollout_phase / GB,
+        peak_allocated_gb=max(train_peak, rollout_phase - reserve) / GB, gpu_memory_gb=cluster.gpu_memory_gb,
         kv_cache_gb=max(kv_cache, 0.0) / GB, kv_bytes_per_token=float(kv_bytes_per_token),
         rollout_token_budget=budget, max_concurrent_sequences=concurrent,
         sequences_per_engine=sequences_per_engine, rollout_waves=waves, num_microbatches=microbatches,
@@ -466,11 +654,15 @@ def check_plan(plan: MemoryPlan) -> MemoryPlan:
     if plan.train_phase_gb > plan.gpu_memory_gb:
         raise PlanError(
             f"the training phase needs {plan.train_phase_gb:.1f} GB per GPU > cluster.gpu_memory_gb="
-            f"{plan.gpu_memory_gb:g} (weights+optimizer {plan.weights_grads_optimizer_gb:.1f}, activations "
-            f"{plan.activations_gb:.1f}, logits {plan.logits_gb:.1f}, vLLM {plan.vllm_while_training_gb:.1f}): "
+            f"{plan.gpu_memory_gb:g} (weights {plan.weights_gb:.1f}, gradients {plan.grads_gb:.1f}, optimizer "
+            f"{plan.optimizer_gb:.1f}, activations {plan.activations_gb:.1f}, logits {plan.logits_gb:.1f}, "
+            f"reference {plan.reference_gb:.1f}, vLLM {plan.vllm_while_training_gb:.1f}): "
             "lower parallel.micro_batch_size or parallel.max_tokens_per_micro_batch, set "
             "model.extra.recompute_granularity=full, raise parallel.tensor or "
-            "parallel.pipeline, or set scale.distributed_optimizer=true / vllm.sleep_between_phases=true")
+            "parallel.pipeline or cluster.nodes, or set scale.distributed_optimizer=true / "
+            "scale.reference_on_gpu=false / vllm.sleep_between_phases=true")
+    if not plan.uses_vllm:
+        return plan
     if plan.rollout_phase_gb > plan.gpu_memory_gb:
         raise PlanError(
             f"the rollout phase needs {plan.rollout_phase_gb:.1f} GB per GPU > cluster.gpu_memory_gb="
@@ -487,8 +679,9 @@ def check_plan(plan: MemoryPlan) -> MemoryPlan:
 def plan_from_sections(model: Mapping[str, object], parallel: Mapping[str, object], trainer: Mapping[str, object],
                        rollout: Mapping[str, object], algorithm: Mapping[str, object],
                        cluster: Mapping[str, object], scale: Mapping[str, object],
-                       vllm: Mapping[str, object]) -> MemoryPlan:
-    """Plan from the config sections as plain dicts (the composed run config), then check it."""
+                       vllm: Mapping[str, object], runtime: Optional[Runtime] = None) -> MemoryPlan:
+    """Plan from the config sections as plain dicts (the composed run config), then check it.
+    ``runtime`` defaults to :meth:`Runtime.detect` for ``trainer.device`` and ``rollout.backend``."""
     scale_cfg = section_from_dict("scale", scale)
     work = Workload(
         prompts_per_step=int(trainer["prompts_per_step"]), n=int(rollout["n"]),
@@ -498,7 +691,11 @@ def plan_from_sections(model: Mapping[str, object], parallel: Mapping[str, objec
         mini_batch_prompts=trainer.get("mini_batch_prompts"), inner_loops=int(trainer.get("inner_loops", 1)),
         uses_reference=float(algorithm.get("beta", 0.0) or 0.0) > 0,
     )
-    layout = Layout(int(parallel["tensor"]), int(parallel["pipeline"]), Layout.recompute_from_model(model))
+    extra = model.get("extra") or {}
+    layout = Layout(int(parallel["tensor"]), int(parallel["pipeline"]), Layout.recompute_from_model(model),
+                    sequence_parallel=bool(extra.get("sequence_parallel", False)))
+    if runtime is None:
+        runtime = Runtime.detect(str(trainer.get("device", "auto")), str(rollout.get("backend", "megatron")))
     from quatro_nemo.megatron.models import ModelConfig
 
     try:
@@ -506,13 +703,13 @@ def plan_from_sections(model: Mapping[str, object], parallel: Mapping[str, objec
     except TypeError as exc:  # an unknown key
         raise PlanError(f"model section: {exc}") from exc
     plan = plan_memory(ModelShape.from_model_config(model_cfg), layout, section_from_dict("cluster", cluster),
-                       scale_cfg, section_from_dict("vllm", vllm), work)
+                       scale_cfg, section_from_dict("vllm", vllm), work, runtime)
     return check_plan(plan)
 
 
 __all__ = [
-    "ClusterConfig", "Layout", "MemoryPlan", "ModelShape", "PLAN_SECTIONS", "PlanError", "ScaleConfig",
-    "VllmConfig", "Workload", "check_layout", "check_plan", "layer_activation_elements",
-    "layer_parameter_count", "plan_from_sections", "plan_memory", "section_from_dict",
-    "stage_parameter_counts", "total_parameter_count", "weight_bytes_per_parameter",
+    "ClusterConfig", "LOSS_BYTES_PER_LOGIT", "Layout", "MemoryPlan", "ModelShape", "PLAN_SECTIONS", "PlanError",
+    "Runtime", "ScaleConfig", "VllmConfig", "Workload", "check_engine_support", "check_layout", "check_plan",
+    "layer_activation_elements", "layer_parameter_count", "optimizer_step_transient_bytes", "plan_from_sections",
+    "plan_memory", "section_from_dict", "stage_parameter_counts", "total_parameter_count", "training_state_bytes",
 ]

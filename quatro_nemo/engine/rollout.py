@@ -145,3 +145,11 @@ def pad_to_length(sample: SampleOutput, length: int, pad_id: int) -> SampleOutpu
         response_lengths=sample.response_lengths,
         finished=sample.finished,
     )
+
+
+def model_inputs(rollout: RolloutBatch, device: torch.device) -> Dict[str, torch.Tensor]:
+    """``tokens``, ``position_ids`` and each row's real ``lengths`` (which the token-budget
+    micro-batches trim to) of a rollout on the run's device (rollout book-keeping lives on the
+    CPU; everything that reaches the model or a collective is on ``device``)."""
+    return {"tokens": rollout.tokens.to(device), "position_ids": rollout.position_ids.to(device),
+            "lengths": rollout.lengths.to(device)}

@@ -1,8 +1,8 @@
-"""Run megatron-core on CPU over gloo: the four workarounds, in one place.
+"""Run megatron-core on CPU over gloo: the five workarounds, in one place.
 
 megatron-core assumes CUDA in a few spots that have nothing to do with the maths. On a machine
 without CUDA (the CPU tests and the embedded CPU default), :func:`apply_cpu_compat` patches
-exactly these four, each shown necessary by switching it off (``docs/stack-facts.md``):
+exactly these five, each shown necessary by switching it off (``docs/stack-facts.md``):
 
 1. **Device of new tensors.** Megatron allocates with ``device=torch.cuda.current_device()``
    (attention buffers, RoPE, p2p shape tensors, TP gather outputs). ``torch.cuda.current_device``
@@ -18,6 +18,11 @@ exactly these four, each shown necessary by switching it off (``docs/stack-facts
    keywords and ``Tensor.cuda()``) to the CPU is entered once for the process (forked ranks
    inherit it). Measured overhead on a small MLP forward+backward: within timing noise.
 4. **p2p synchronisation.** ``p2p_communication`` calls ``torch.cuda.synchronize()``: a no-op.
+5. **Legacy type strings.** megatron's optimizers and gradient clipping classify parameters by
+   ``param.type() == "torch.cuda.FloatTensor"`` (``optimizer.py``, ``distrib_optimizer.py``,
+   ``clip_grads.py``). The same mode makes the no-argument ``Tensor.type()`` of a CPU tensor
+   report the ``torch.cuda.*`` name (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``);
+   ``Tensor.type(dtype)`` conversions are untouched.
 
 Nothing is patched when CUDA is available, and applying twice changes nothing. No other module
 of ``quatro_nemo`` may special-case the CPU: call :func:`apply_cpu_compat` (``initialize_parallel``
@@ -57,12 +62,16 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class CudaToCpuDeviceMode(TorchFunctionMode):
-    """Maps every CUDA device a torch function is asked for to the CPU (workaround 3)."""
+    """Maps every CUDA device a torch function is asked for to the CPU (workaround 3), and
+    reports CPU tensors' legacy type names as CUDA ones (workaround 5)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         return func(*args, **kwargs)
@@ -82,7 +91,7 @@ def _cpu_manual_seed(seed: int) -> None:
 
 
 def apply_cpu_compat() -> bool:
-    """Apply the four CPU workarounds when CUDA is unavailable. Idempotent.
+    """Apply the five CPU workarounds when CUDA is unavailable. Idempotent.
 
     Returns True when the workarounds are (now or already) in effect, False when CUDA is
     available and nothing was patched.

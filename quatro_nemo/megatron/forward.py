@@ -10,13 +10,13 @@ schedule (``get_forward_backward_func()``: no pipelining at PP=1, 1F1B otherwise
 causal (``attention_mask=None``); right padding never influences earlier positions, and padded
 positions are masked out of every loss by ``response_mask``.
 
-Gradients. The model is a plain megatron-core ``GPTModel`` (not wrapped in megatron's
-``DistributedDataParallel``; no ``DistributedOptimizer``): backward accumulates into each
-parameter's ``.grad``. :func:`finalize_gradients` then does, explicitly,
-(1) the all-reduce of the tied embedding/output weight's gradient between the first and last
-pipeline stage (PP > 1), and (2) the data-parallel SUM of every gradient (a SUM because each DP
-rank's loss is already its share of the global loss, see :mod:`quatro_nemo.megatron.loss`).
-The engine then runs ``optimizer.step()``.
+Gradients. Training takes the model wrapped in megatron's ``DistributedDataParallel``
+(:func:`quatro_nemo.megatron.training.wrap_for_training`): backward accumulates into its float32
+gradient buffers (``param.main_grad``), and :func:`finalize_gradients` runs megatron's
+``finalize_model_grads`` once per optimizer step: the data-parallel SUM (each DP rank's loss is
+already its share of the global loss, :mod:`quatro_nemo.megatron.loss`) and the tied-embedding
+all-reduce between pipeline stages. The engine then runs the megatron optimizer's ``step()``.
+Log-probs take the model with or without the wrapper.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from quatro_nemo.megatron.loss import (
     global_loss_normalizer,
     make_loss_func,
     reduce_metrics,
+    unit_count,
 )
 
 TRAIN_KEYS = ("tokens", "position_ids", "response_mask", "old_logprobs", "advantages")
@@ -162,7 +163,8 @@ def compute_logprobs(model, batch: Mapping[str, torch.Tensor], batching: Union[M
     def make_loss(micro_batch):
         def loss_func(logits):
             logprobs, entropy = micro_batch_logprobs_and_entropy(logits, micro_batch)
-            return logprobs.sum() * 0.0, {"logprobs": logprobs.detach(), "entropy": entropy.detach()}
+            return (logprobs.sum() * 0.0, unit_count(logprobs),
+                    {"logprobs": logprobs.detach(), "entropy": entropy.detach()})
         return loss_func
 
     model.eval()
@@ -185,38 +187,15 @@ def compute_logprobs(model, batch: Mapping[str, torch.Tensor], batching: Union[M
 
 
 def finalize_gradients(model) -> None:
-    """Make ``.grad`` the gradient of the GLOBAL loss on every rank: once per optimizer step,
-    after the last backward (calling it twice would sum already-summed gradients again).
+    """Make the gradient buffers hold the gradient of the GLOBAL loss: megatron's own
+    ``finalize_model_grads`` on the DDP-wrapped model (:func:`quatro_nemo.megatron.training.
+    wrap_for_training`): the data-parallel SUM (all-reduce, or reduce-scatter onto each rank's
+    shard with the distributed optimizer) and, under PP with tied embeddings, the all-reduce of
+    the embedding/output weight's gradient between the first and last stage. Once per optimizer
+    step, after the last backward."""
+    from megatron.core.distributed import finalize_model_grads
 
-    1. Tied embeddings under PP: the first stage's word embedding and the last stage's output
-       weight are one parameter; all-reduce (SUM) their gradients over the embedding group
-       (Megatron-LM's ``_allreduce_word_embedding_grads``).
-    2. Data parallelism: all-reduce (SUM) every gradient over the DP group, flattened into one
-       buffer. Parameters without a gradient contribute zeros, so every DP rank sends the same
-       layout.
-    """
-    from megatron.core import parallel_state as ps
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-
-    if (ps.get_pipeline_model_parallel_world_size() > 1
-            and getattr(model, "share_embeddings_and_output_weights", False)
-            and ps.is_rank_in_embedding_group(ignore_virtual=True)):
-        shared = model.shared_embedding_or_output_weight()
-        dist.all_reduce(shared.grad, op=dist.ReduceOp.SUM, group=ps.get_embedding_group())
-
-    dp_group = ps.get_data_parallel_group()
-    if dist.get_world_size(dp_group) > 1 and params:
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
-        offset = 0
-        for param in params:
-            numel = param.grad.numel()
-            param.grad.copy_(flat[offset:offset + numel].view_as(param.grad))
-            offset += numel
+    finalize_model_grads([model])
 
 
 def train_step_forward_backward(
@@ -231,7 +210,7 @@ def train_step_forward_backward(
     """Forward + backward of the policy loss over this DP rank's batch; gradients finalised.
 
     Args:
-        model: this rank's ``GPTModel`` stage (from :func:`models.build_model`).
+        model: this rank's model stage in megatron's DDP (:func:`training.wrap_for_training`).
         batch: this DP rank's rows (``TRAIN_KEYS``, optionally ``ref_logprobs``).
         policy_loss_name: a name in the ``quatro_nemo.algos`` policy-loss registry.
         algo_config: that loss's typed config.
@@ -244,8 +223,10 @@ def train_step_forward_backward(
             optimizer step (its all-reduces are not idempotent): when one step spans several
             calls, pass False to all but the last.
 
-    Gradients are ADDED to ``param.grad`` (zero them before the first call of an optimizer step). Returns the metrics of the loss (``"loss"``
-    plus the loss function's keys), reduced over micro-batches and DP, on every rank.
+    Gradients are ADDED to the DDP buffers ``param.main_grad`` (zero them before the first call
+    of an optimizer step: :func:`quatro_nemo.megatron.training.zero_gradients`). Returns the
+    metrics of the loss (``"loss"`` plus the loss function's keys), reduced over micro-batches and
+    DP, on every rank.
     """
     for key in TRAIN_KEYS:
         if key not in batch:
@@ -255,10 +236,9 @@ def train_step_forward_backward(
         normalizer = global_loss_normalizer(batch["response_mask"])
     _, micro_batches = split_micro_batches(batch, batching, TRAIN_KEYS + OPTIONAL_TRAIN_KEYS,
                                            equal_over_data_parallel=True)
-    num_microbatches = len(micro_batches)
 
     def make_loss(micro_batch):
-        return make_loss_func(policy_loss, algo_config, normalizer, micro_batch, num_microbatches)
+        return make_loss_func(policy_loss, algo_config, normalizer, micro_batch)
 
     from megatron.core import parallel_state as ps
 

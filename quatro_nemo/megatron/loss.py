@@ -5,10 +5,11 @@ Exactness over any split of the global batch (NeMo-RL's ``global_valid_seqs/toks
 - :func:`global_loss_normalizer` counts sequences and response tokens of the whole optimizer
   step: the local batch of this DP rank summed (all-reduce SUM) over data-parallel ranks.
 - each micro-batch's policy loss, computed with those global counts, is its additive share of the
-  full-batch loss (``docs/interfaces.md``). Megatron's schedule divides the returned loss by
-  ``num_microbatches`` (in place); :func:`make_loss_func` returns ``loss * num_microbatches`` so
-  the backward pass sees exactly the share. Data-parallel gradients must then be SUMMED, not
-  averaged (``quatro_nemo.megatron.forward.finalize_gradients``).
+  full-batch loss (``docs/interfaces.md``). Models are built with megatron's
+  ``calculate_per_token_loss=True`` (:mod:`quatro_nemo.megatron.models`): the schedule then takes
+  the closure's ``(loss, count, metrics)`` as is (no division by ``num_microbatches``), and
+  megatron's DDP SUMS data-parallel gradients instead of averaging them
+  (:mod:`quatro_nemo.megatron.training`), which is exactly what shares of a global loss need.
 - metrics are additive shares too and are summed over micro-batches and DP ranks, except keys
   ending in ``/max`` or ``/min`` (:func:`reduce_metrics`). They are computed on the last pipeline
   stage and broadcast to every stage.
@@ -48,16 +49,15 @@ def make_loss_func(
     algo_config,
     normalizer: LossNormalizer,
     micro_batch: Mapping[str, torch.Tensor],
-    num_microbatches: int,
 ) -> Callable:
     """Loss closure for one micro-batch, run by megatron's schedule on the last pipeline stage.
 
     ``policy_loss`` has the registry signature of ``docs/interfaces.md``. The closure maps the
     model's vocab-parallel logits ``[s, w, V/TP]`` (or ``[1, total, V/TP]`` when packed) to
-    TP-complete log-probs and entropies in the micro-batch's row layout, applies
-    the loss and returns ``(loss * num_microbatches, metrics)`` (the schedule divides by
-    ``num_microbatches``). ``metrics`` holds detached 0-dim tensors, with the micro-batch's loss
-    share under ``"loss"``.
+    TP-complete log-probs and entropies in the micro-batch's row layout, applies the loss and
+    returns ``(loss, 1, metrics)``: megatron's three-tuple form, whose middle count
+    megatron only accumulates under ``calculate_per_token_loss`` (see the module docstring).
+    ``metrics`` holds detached 0-dim tensors, with the micro-batch's loss share under ``"loss"``.
     """
     from quatro_nemo.megatron.logprobs import micro_batch_logprobs_and_entropy
 
@@ -77,9 +77,15 @@ def make_loss_func(
         if LOSS_KEY in reported:
             raise ValueError(f"policy loss returned a metric named {LOSS_KEY!r}, which is reserved")
         reported[LOSS_KEY] = loss.detach().clone()
-        return loss * num_microbatches, reported
+        return loss, unit_count(loss), reported
 
     return loss_func
+
+
+def unit_count(like: torch.Tensor) -> torch.Tensor:
+    """The count megatron's schedule accumulates from a loss closure's three-tuple (unused here:
+    our losses are normalised by global counts already)."""
+    return torch.ones((), dtype=torch.int, device=like.device)
 
 
 def _reduce_op(key: str) -> str:

@@ -9,9 +9,10 @@ Two architectures, both megatron-core ``GPTModel``s:
   (``num_query_groups``), RoPE with ``rotary_base``, tied or untied embeddings.
 
 The layer spec is megatron-core's local (pure PyTorch) spec unless Transformer Engine imports
-(GPU clusters), then the TE spec. Weights are always initialised on the CPU
+(GPU clusters), then the TE spec. Without CUDA, weights are initialised on the CPU
 (``use_cpu_initialization=True``) from the seed set by ``initialize_parallel``: the TP shards are
-then exact slices of the TP=1 weights, which the equivalence tests rely on.
+then exact slices of the TP=1 weights, which the equivalence tests rely on. With CUDA they are
+created on the GPU. bf16/fp16 models come wrapped in megatron's ``Float16Module``.
 
 Differences between megatron-core versions (0.10 in the NeMo-Aligner container, 0.16 here) are
 handled only in :func:`_layer_spec` and :func:`_transformer_config_kwargs`.
@@ -164,7 +165,9 @@ def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         sequence_parallel=False,
-        use_cpu_initialization=True,
+        # CPU initialisation makes TP shards exact slices of the TP=1 weights (the equivalence
+        # tests rely on it); on GPUs weights are created on the device (a 7B model in seconds).
+        use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -175,6 +178,10 @@ def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        # Each micro-batch loss is its additive share of the global loss (megatron/loss.py):
+        # megatron then neither divides it by the number of micro-batches nor averages
+        # gradients over data-parallel ranks (they are summed).
+        calculate_per_token_loss=True,
     )
 
 
@@ -232,7 +239,14 @@ def build_model(cfg: ModelConfig, use_transformer_engine: Optional[bool] = None)
         position_embedding_type=cfg.position_embedding,
         rotary_base=cfg.rotary_base,
     )
-    return model.to(current_device())
+    model = model.to(current_device())
+    if cfg.torch_dtype != torch.float32:
+        # Megatron-LM's mixed-precision wrapper: casts the embedding output to the params dtype
+        # and the last stage's logits back to float32 (the local spec keeps norms in float32).
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(model.config, model)
+    return model
 
 
 _LAYER_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?decoder\.layers\.)(?P<index>\d+)(?P<rest>\..*)$")

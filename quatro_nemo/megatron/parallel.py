@@ -11,6 +11,7 @@ Layout of the ranks is megatron-core's: TP innermost, then DP, then PP
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ def initialize_parallel(
     pipeline_parallel: int = 1,
     seed: int = 1234,
     backend: Optional[str] = None,
+    timeout_minutes: float = 30.0,
 ) -> ParallelLayout:
     """Initialise torch.distributed, megatron's parallel groups and the model-parallel RNG.
 
@@ -73,6 +75,9 @@ def initialize_parallel(
             ``use_cpu_initialization`` weights agree across ranks), the TP tracker
             ``seed + 2718 + tp_rank`` (megatron's ``model_parallel_cuda_manual_seed``).
         backend: ``"gloo"`` or ``"nccl"``; default gloo without CUDA, nccl with.
+        timeout_minutes: how long a collective may wait before the process group fails it
+            (torch's default is 10 minutes; a sharded checkpoint save to a slow parallel
+            filesystem, or a long evaluation on one rank, can take longer).
 
     Returns the rank's :class:`ParallelLayout`. Raises ``ValueError`` on sizes that do not
     divide the world, naming them.
@@ -94,7 +99,8 @@ def initialize_parallel(
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
+        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
 
     world_size = dist.get_world_size()
     if tensor_parallel < 1 or pipeline_parallel < 1:
@@ -113,6 +119,7 @@ def initialize_parallel(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        distributed_timeout_minutes=int(timeout_minutes),
     )
     mcore_tp.model_parallel_cuda_manual_seed(seed)
     return parallel_layout()

@@ -57,6 +57,7 @@ QWEN2_TINY_ARGS = ["model.architecture=qwen2", "model.normalization=RMSNorm", "m
 
 def _train_run_rank(rank: int, hf_dir: str, run_dir: str, out_dir: str) -> None:
     from quatro_nemo.engine import checkpoint as ckpt
+    from quatro_nemo.megatron import training
     from quatro_nemo.megatron.hf_conversion import load_hf_into_megatron, model_config_from_hf
     from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
@@ -67,8 +68,10 @@ def _train_run_rank(rank: int, hf_dir: str, run_dir: str, out_dir: str) -> None:
     cfg = model_config_from_hf(hf_config, params_dtype="float32")
     model = build_model(cfg)
     load_hf_into_megatron(model, state, cfg)
-    ckpt.save_checkpoint(run_dir, 7, {"model": model.state_dict()},
-                         {"world_size": layout.world_size, "tensor": 2, "pipeline": 1, "data": 1})
+    policy_ddp = training.wrap_for_training(model, distributed_optimizer=True)
+    optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(lr=1e-3))
+    ckpt.save_checkpoint(run_dir, 7, policy_ddp, optimizer, {"next_step": 7, "optimizer_steps": 0},
+                         ckpt.layout_signature(layout))
     # run_to_hf re-initialises megatron's groups on the same process group.
     convert_checkpoint.run_to_hf(out_dir, QWEN2_TINY_ARGS + [f"run.dir={run_dir}"])
 

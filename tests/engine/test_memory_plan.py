@@ -1,6 +1,7 @@
 """The memory/throughput planner: parameter counts against transformers' Qwen2 and the published
-Qwen2.5 totals, the Megatron-LM bytes-per-parameter table, a hand-derived activation count, the
-1.5B / 7B configs (load, validate, fit 8 x 80 GB), and refusals that name the setting."""
+Qwen2.5 totals, the Megatron-LM bytes-per-parameter table, a hand-derived activation count and
+optimizer-step temporaries, the 7B plan term by term, the 1.5B / 7B configs (load, validate, fit
+8 x 80 GB), and refusals that name the setting. Measured reality: test_memory_reality.py."""
 from __future__ import annotations
 
 import os
@@ -13,15 +14,17 @@ from quatro_nemo.engine.memory_plan import (
     Layout,
     ModelShape,
     PlanError,
+    Runtime,
     ScaleConfig,
     VllmConfig,
     Workload,
     check_plan,
     layer_activation_elements,
+    optimizer_step_transient_bytes,
     plan_memory,
     stage_parameter_counts,
     total_parameter_count,
-    weight_bytes_per_parameter,
+    training_state_bytes,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,11 +67,29 @@ def test_stage_parameter_counts_hand_derived():
     assert stage_parameter_counts(shape, Layout(2, 2)) == [2 * per_layer + 40, 2 * per_layer + 8 + 40]
 
 
-def test_weight_bytes_follow_megatron_distributed_optimizer_table():
-    assert weight_bytes_per_parameter(2, False, 8) == 18
-    assert weight_bytes_per_parameter(2, True, 8) == 6 + 12 / 8
-    assert weight_bytes_per_parameter(4, False, 4) == 16
-    assert weight_bytes_per_parameter(4, True, 4) == 8 + 8 / 4
+def test_training_state_follows_megatron_distributed_optimizer_table():
+    # dist_optimizer.md: bf16 params + fp32 grads 18 (plain) / 6 + 12/d; fp32 16 / 8 + 8/d.
+    assert training_state_bytes(2, False, 8) == {"weights": 2, "grads": 4, "optimizer": 12}
+    assert training_state_bytes(2, True, 8) == {"weights": 2, "grads": 4, "optimizer": 12 / 8}
+    assert training_state_bytes(4, False, 4) == {"weights": 4, "grads": 4, "optimizer": 8}
+    assert training_state_bytes(4, True, 4) == {"weights": 4, "grads": 4, "optimizer": 8 / 4}
+
+
+def test_optimizer_step_transients_hand_derived():
+    # h=8, V=10, f=12 (SwiGLU: fc1 24 x 8 = 192 > embedding 80): largest tensor 192 elements at TP=1.
+    shape = ModelShape(vocab_size=10, hidden_size=8, num_layers=1, num_attention_heads=2, num_query_groups=1,
+                       ffn_hidden_size=12)
+    fused = Runtime(device="cuda", fused_adam=True)
+    foreach = Runtime(device="cuda", fused_adam=False)
+    cpu = Runtime(device="cpu", fused_adam=False)
+    assert optimizer_step_transient_bytes(shape, 1, 1000, 1000, fused, True, 2) == 0
+    # torch AdamW foreach: sqrt(exp_avg_sq) of 1000 optimizer parameters, 4 bytes each.
+    assert optimizer_step_transient_bytes(shape, 1, 1000, 1000, foreach, False, 1) == 4000
+    # CPU single-tensor AdamW: 8 bytes x 192 (the clip's 4 x 192 is smaller); TP=2 halves the tensor.
+    assert optimizer_step_transient_bytes(shape, 1, 1000, 1000, cpu, False, 1) == 8 * 192
+    assert optimizer_step_transient_bytes(shape, 2, 1000, 1000, cpu, False, 1) == 8 * 96
+    # gloo's reduce-scatter temporary of the 1000-element float32 gradient buffer (distributed, d > 1).
+    assert optimizer_step_transient_bytes(shape, 1, 500, 1000, cpu, True, 2) == 4000
 
 
 def test_layer_activation_elements_hand_derived():
@@ -99,8 +120,8 @@ def test_refuses_layouts_naming_the_setting():
     with pytest.raises(PlanError, match="parallel.max_tokens_per_micro_batch=1"):
         plan_memory(QWEN25_7B, Layout(2, 1), cluster, scale, vllm, _work(max_tokens_per_micro_batch=1))
     # 7B on TP=1 with a plain optimizer and no recomputation cannot fit 80 GB.
-    too_big = plan_memory(QWEN25_7B, Layout(1, 1), cluster, ScaleConfig(distributed_optimizer=False), vllm,
-                          _work(micro_batch_size=4))
+    too_big = plan_memory(QWEN25_7B, Layout(1, 1), cluster, ScaleConfig(distributed_optimizer=False),
+                          VllmConfig(tensor_parallel=1), _work(micro_batch_size=4))
     assert too_big.train_phase_gb > 80
     with pytest.raises(PlanError, match="training phase needs .* cluster.gpu_memory_gb=80.*micro_batch_size"):
         check_plan(too_big)
@@ -124,7 +145,7 @@ def test_micro_batch_size_needs_no_divisor():
 def test_token_budget_plans_activations_and_logits_from_the_budget():
     """A budget of b full-length rows' tokens plans exactly like b rows; a budget below one row
     plans one full row (it runs alone)."""
-    args = (QWEN25_7B, Layout(2, 2, True), ClusterConfig(), ScaleConfig(), VllmConfig(tensor_parallel=2))
+    args = (QWEN25_7B, Layout(2, 1, True), ClusterConfig(), ScaleConfig(), VllmConfig(tensor_parallel=2))
     s = 512 + 3072
 
     def plan(**work):
@@ -136,11 +157,64 @@ def test_token_budget_plans_activations_and_logits_from_the_budget():
     assert budget.num_microbatches == rows2.num_microbatches
     small = plan(micro_batch_size=64, max_tokens_per_micro_batch=1000)
     assert (small.activations_gb, small.logits_gb) == (rows1.activations_gb, rows1.logits_gb)
-    # With flash attention every activation term is linear in the tokens (2 micro-batches in
-    # flight either way), so 1.5 rows' worth of budget costs 1.5 x one row.
+    # With flash attention (Transformer Engine) every activation term is linear in the tokens (one
+    # micro-batch in flight at PP=1), so 1.5 rows' worth of budget costs 1.5 x one row.
     between = plan(max_tokens_per_micro_batch=3 * s // 2)
     assert between.activations_gb == pytest.approx(1.5 * rows1.activations_gb)
     assert between.logits_gb == pytest.approx(1.5 * rows1.logits_gb)
+
+
+def test_refuses_what_the_engine_cannot_run():
+    cluster, scale, work = ClusterConfig(), ScaleConfig(), _work()
+    with pytest.raises(PlanError, match="vllm.tensor_parallel=4 does not divide parallel.tensor=2"):
+        plan_memory(QWEN25_7B, Layout(2, 1), cluster, scale, VllmConfig(tensor_parallel=4), work)
+    with pytest.raises(PlanError, match="parallel.pipeline=2 with rollout.backend=vllm"):
+        plan_memory(QWEN25_7B, Layout(2, 2), cluster, scale, VllmConfig(tensor_parallel=2), work)
+    with pytest.raises(PlanError, match="model.extra.sequence_parallel"):
+        plan_memory(QWEN25_7B, Layout(2, 1, sequence_parallel=True), cluster, scale, VllmConfig(), work)
+    from quatro_nemo.megatron.models import ModelConfig
+
+    with pytest.raises(PlanError, match="model.params_dtype=float16"):
+        ModelShape.from_model_config(ModelConfig(architecture="qwen2", params_dtype="float16"))
+    odd_ffn = ModelShape(**dict(vars(QWEN25_7B), ffn_hidden_size=18945))
+    with pytest.raises(PlanError, match="parallel.tensor=2 does not divide model.ffn_hidden_size=18945"):
+        plan_memory(odd_ffn, Layout(2, 1), cluster, scale, VllmConfig(), work)
+    # The megatron rollout backend has no vLLM constraints and no vLLM memory.
+    megatron_backend = Runtime(rollout_backend="megatron")
+    plan = plan_memory(QWEN25_7B, Layout(2, 2), cluster, scale, VllmConfig(tensor_parallel=4), work, megatron_backend)
+    assert plan.vllm_gb == plan.rollout_phase_gb == plan.weight_push_gb == 0
+
+
+def test_7b_plan_term_by_term_hand_derived():
+    """The default 7B layout (TP=2, DP=4, full recompute, micro-batch 1, s = 512 + 3072) on a GPU
+    with Transformer Engine: what each part of the engine allocates, by hand."""
+    # Per GPU: 28 layers x (233,050,624 sharded / 2 + 7,168 norms) + embedding and output layer
+    # (152,064 x 3,584 / 2 each) + the final norm.
+    params = 28 * (233_050_624 // 2 + 7_168) + 2 * 272_498_688 + 3_584
+    assert params == 3_807_910_400
+    plan = plan_memory(QWEN25_7B, Layout(2, 1, full_recompute=True), ClusterConfig(), ScaleConfig(),
+                       VllmConfig(tensor_parallel=2), _work(), Runtime())
+    gb = 1e9
+    assert plan.parameters_per_gpu == params
+    assert plan.weights_gb * gb == pytest.approx(2 * params)       # bf16 weights
+    assert plan.grads_gb * gb == pytest.approx(4 * params)         # DDP float32 gradient buffer
+    assert plan.optimizer_gb * gb == pytest.approx(12 * params / 4)  # main params + Adam over DP=4
+    assert plan.reference_gb * gb == pytest.approx(2 * params)     # beta > 0, reference_on_gpu
+    # Full recomputation: 28 layer inputs (3,584 tokens x h, bf16) + one layer's activations
+    # (4h + (4,608 qkv + 3,584 attention + 37,888 fc1 + 18,944 fc2) / 2 = 46,848 per token).
+    assert plan.activations_gb * gb == pytest.approx(28 * 3584 * 3584 * 2 + 46_848 * 3584 * 2)
+    # One micro-batch's logits [3,584 x 76,032] at 28 bytes + the output layer's bf16 input.
+    assert plan.logits_gb * gb == pytest.approx(3584 * 76_032 * 28 + 3584 * 3584 * 2)
+    assert plan.optimizer_step_transient_gb == 0  # FusedAdam
+    assert plan.train_phase_gb * gb == pytest.approx(11 * params + 1_055_129_600 + 7_655_653_376 + 6e9)
+    # Rollout: the optimizer and gradients offloaded; bf16 weights + reference + reserve stay; vLLM
+    # takes 0.5 x 80 GB, which covers its weights plus the push of 3 x the 152,064 x 3,584 embedding.
+    assert plan.weight_push_gb * gb == pytest.approx(3 * 152_064 * 3584 * 2)
+    assert plan.rollout_phase_gb * gb == pytest.approx(4 * params + 6e9 + 40e9)
+    kept = plan_memory(QWEN25_7B, Layout(2, 1, full_recompute=True), ClusterConfig(),
+                       ScaleConfig(offload_optimizer_in_rollout=False), VllmConfig(tensor_parallel=2), _work(),
+                       Runtime())
+    assert kept.rollout_phase_gb * gb == pytest.approx((2 + 4 + 3 + 2) * params + 6e9 + 40e9)
 
 
 def test_data_parallel_shards_optimizer_state():
@@ -194,10 +268,25 @@ def test_baselines_reuse_the_scale_config(baseline):
 
 
 def test_plan_memory_recipe_exit_codes(capsys):
+    import json
+
     import plan_memory
 
     assert plan_memory.main(["config=quatro_7b"]) == 0
     assert "training phase" in capsys.readouterr().out
+    assert plan_memory.main(["config=quatro_7b", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)  # what scripts/gpu_check.sh reads
+    plan = plan_memory.plan_for_arguments(["config=quatro_7b"])
+    assert figures["train_peak_allocated_gb"] == plan.train_peak_allocated_gb
+    assert figures["train_phase_gb"] == pytest.approx(figures["train_peak_allocated_gb"] + figures["reserve_gb"])
+    assert figures["peak_allocated_gb"] == max(plan.train_peak_allocated_gb, plan.rollout_phase_gb - plan.reserve_gb)
+    half = plan.peak_allocated_gb / 2
+    assert plan_memory.main(["config=quatro_7b", "--json", f"--measured-peak-gb={half}"]) == 0
+    assert json.loads(capsys.readouterr().out)["measured_over_planned"] == pytest.approx(0.5)
+    assert plan_memory.main(["config=quatro_7b", f"--measured-peak-gb={half}"]) == 0
+    assert "measured / planned = 0.50" in capsys.readouterr().out
+    assert plan_memory.main(["config=quatro_7b", "--measured-peak-gb=lots"]) == 2
+    assert "--measured-peak-gb=<number>" in capsys.readouterr().err
     assert plan_memory.main(["config=quatro_7b", "cluster.gpu_memory_gb=40"]) == 2
     assert "cluster.gpu_memory_gb=40" in capsys.readouterr().err
 

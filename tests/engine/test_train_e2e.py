@@ -112,6 +112,28 @@ def test_signal_checkpoints_and_exits_75_then_resumes(reference_run, tmp_path, s
     assert_same_records(run_dir, reference_dir)
 
 
+def test_resume_at_another_layout_continues_the_run(reference_run, tmp_path):
+    """Sharded checkpoints reshard: one step at each layout in turn, TP1 -> TP2 -> PP2 -> DP2
+    (so TP1->2, TP2->1, PP1->2, PP2->1 and DP1->2 are all crossed), each resuming the previous
+    layout's checkpoint, give the records of the uninterrupted single-process run: identical
+    rollouts and rewards, and losses/gradient norms equal up to float32 reduction order."""
+    args, reference_dir = reference_run
+    run_dir = str(tmp_path / "resharded")
+    args = [a if not a.startswith("run.dir=") else f"run.dir={run_dir}" for a in args]
+    args = [a for a in args if not a.startswith("trainer.steps=")]
+    layouts = [(1, []), (2, ["parallel.tensor=2"]), (2, ["parallel.pipeline=2"]), (2, [])]
+    for step, (nproc, extra) in enumerate(layouts, start=1):
+        code, output = finish(run_train(args + [f"trainer.steps={step}"] + extra, nproc=nproc))
+        assert code == 0, f"layout {extra or nproc}: {output}"
+    got = {(r["step"], r["kind"]): r for r in train_records(run_dir)}
+    expected = {(r["step"], r["kind"]): r for r in train_records(reference_dir)}
+    for step in range(1, 5):
+        g, e = got[(step, "train")], expected[(step, "train")]
+        assert g["reward/mean"] == e["reward/mean"], step
+        for key in ("loss", "grad_norm", "entropy", "policy/kl_old"):
+            assert g[key] == pytest.approx(e[key], rel=1e-4, abs=1e-6), (step, key)
+
+
 def _first_step(run_dir):
     return next(r for r in train_records(run_dir) if r["kind"] == "train" and r["step"] == 1)
 

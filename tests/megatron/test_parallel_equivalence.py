@@ -7,10 +7,13 @@ besides the model builder is on that path (no schedule, no vocab-parallel functi
 normaliser all-reduce, no gradient finalisation). Log-probs and entropies are also checked
 against a float64 full-softmax reference.
 
-Each parallel layout loads the reference weights (``load_full_state_dict``), runs
+Each parallel layout loads the reference weights (``load_full_state_dict``), wraps the model in
+megatron's ``DistributedDataParallel`` (the engine's :func:`training.wrap_for_training`), runs
 ``compute_logprobs`` and ``train_step_forward_backward`` for every loss and two micro-batch
-splits (row counts that need not divide the rows), gathers its gradients back to full tensors and
-compares on every rank. The token-budget test does the same for every algorithm of the registry
+splits (row counts that need not divide the rows), gathers its gradient buffers back to full
+tensors and compares on every rank. Then one step of megatron's DISTRIBUTED optimizer (the
+engine's :func:`training.build_optimizer`) is compared with a ``torch.optim.AdamW`` step on the
+reference gradients. The token-budget test does the same for every algorithm of the registry
 with rows sorted by length, binned under a padded-token budget and trimmed (ragged lengths,
 empty responses, and a data-parallel rank padded with an empty micro-batch).
 """
@@ -28,6 +31,10 @@ EMPTY_RESPONSE_ROWS = (3, 6)
 SEED = 1234
 NUM_SEQUENCES, SEQ_LEN = 8, 12
 REL_TOL = 1e-5
+# One Adam step: update = lr * g / (|g| + eps) at step 1. eps well above the gradients' float32
+# noise keeps the update a smooth function of the gradient, so it can be compared.
+ADAM_LR, ADAM_EPS = 1e-2, 1e-3
+UPDATE_REL_TOL = 1e-3
 
 
 def _model_config():
@@ -111,6 +118,21 @@ def _reference_loss_and_grads(model, batch, algorithm):
                 grads={name: p.grad.clone() for name, p in model.named_parameters()})
 
 
+def _reference_adam_update(model, state, grads):
+    """Parameters after one plain torch AdamW step on ``grads`` from ``state``, minus ``state``."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(state[name])
+            param.grad = grads[name].clone()
+    torch.optim.AdamW(list(params.values()), lr=ADAM_LR, eps=ADAM_EPS, weight_decay=0.0).step()
+    update = {name: (param.detach() - state[name]).clone() for name, param in params.items()}
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(state[name])
+    return update
+
+
 def _reference_rank(rank, path):
     from quatro_nemo.algos import ALGORITHMS
     from quatro_nemo.megatron.models import build_model
@@ -130,10 +152,11 @@ def _reference_rank(rank, path):
     ref_logprobs64, ref_entropy64 = _float64_logprobs_entropy(model, tokens, position_ids)
 
     results = {name: _reference_loss_and_grads(model, batch, name) for name in ALGORITHMS}
+    adam_update = _reference_adam_update(model, state, results["quatro"]["grads"])
     qwen2 = build_model(_qwen2_config())
     qwen2_logprobs64, qwen2_entropy64 = _float64_logprobs_entropy(qwen2, tokens, position_ids)
     torch.save(dict(state=state, batch=batch, logprobs64=ref_logprobs64, entropy64=ref_entropy64,
-                    results=results,
+                    results=results, adam_update=adam_update,
                     qwen2=dict(state={n: p.detach().clone() for n, p in qwen2.named_parameters()},
                                logprobs64=qwen2_logprobs64, entropy64=qwen2_entropy64,
                                quatro=_reference_loss_and_grads(qwen2, batch, "quatro"))), path)
@@ -147,17 +170,19 @@ def _assert_close(name, actual, expected, rel=REL_TOL):
 
 
 def _full_gradient(model, name, param):
-    """The TP=1 gradient of ``param``: TP shards all-gathered and merged by checkpoint's layout."""
+    """The TP=1 gradient of ``param`` (its DDP buffer ``main_grad``): TP shards all-gathered and
+    merged by checkpoint's layout."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from quatro_nemo.megatron.checkpoint import merge_shards, partition_layout
 
+    grad = param.main_grad
     partition_dim, stride = partition_layout(model, name, param)
     if partition_dim is None or ps.get_tensor_model_parallel_world_size() == 1:
-        return param.grad
-    shards = [torch.empty_like(param.grad) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    dist.all_gather(shards, param.grad.contiguous(), group=ps.get_tensor_model_parallel_group())
+        return grad
+    shards = [torch.empty_like(grad) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(shards, grad.contiguous(), group=ps.get_tensor_model_parallel_group())
     return merge_shards(shards, partition_dim, stride)
 
 
@@ -185,7 +210,9 @@ def _assert_every_parameter_compared(covered, full_state):
 
 
 def _rank_setup(tensor_parallel, pipeline_parallel, path):
-    """(reference, layout, model with the reference weights, this DP rank's rows, its batch)."""
+    """(reference, layout, model with the reference weights, its DDP wrapper, this DP rank's rows,
+    its batch)."""
+    from quatro_nemo.megatron import training
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
     from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
@@ -194,18 +221,21 @@ def _rank_setup(tensor_parallel, pipeline_parallel, path):
     layout = initialize_parallel(tensor_parallel, pipeline_parallel, seed=SEED)
     model = build_model(_model_config())
     load_full_state_dict(model, ref["state"])
+    ddp = training.wrap_for_training(model, distributed_optimizer=False)  # full gradients everywhere
     rows = slice(layout.dp_rank * NUM_SEQUENCES // layout.data_parallel,
                  (layout.dp_rank + 1) * NUM_SEQUENCES // layout.data_parallel)
     batch = {key: value[rows] for key, value in ref["batch"].items()}
-    return ref, layout, model, rows, batch
+    return ref, layout, model, ddp, rows, batch
 
 
 def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, path):
+    from quatro_nemo.megatron import training
+    from quatro_nemo.megatron.checkpoint import gather_full_state_dict, load_full_state_dict
     from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
     from quatro_nemo.megatron.loss import global_loss_normalizer
-    from quatro_nemo.megatron.models import global_parameter_name
+    from quatro_nemo.megatron.models import build_model, global_parameter_name
 
-    ref, layout, model, rows, batch = _rank_setup(tensor_parallel, pipeline_parallel, path)
+    ref, layout, model, ddp, rows, batch = _rank_setup(tensor_parallel, pipeline_parallel, path)
 
     logprobs, entropy = compute_logprobs(model, batch, micro_batch_sizes[0])
     _assert_close("logprobs vs float64", logprobs, ref["logprobs64"][rows])
@@ -215,8 +245,8 @@ def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, 
     for loss_name in LOSSES:
         expected = ref["results"][loss_name]
         for micro_batch_size in micro_batch_sizes:
-            model.zero_grad(set_to_none=True)
-            metrics = train_step_forward_backward(model, batch, loss_name, _algo_config(loss_name),
+            ddp.zero_grad_buffer()
+            metrics = train_step_forward_backward(ddp, batch, loss_name, _algo_config(loss_name),
                                                   micro_batch_size)
             where = f"{loss_name} tp={tensor_parallel} pp={pipeline_parallel} mbs={micro_batch_size}"
             _assert_step_matches(where, model, metrics, expected, covered)
@@ -226,11 +256,11 @@ def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, 
     # passed in, gradients finalised once, after the second call.
     normalizer = global_loss_normalizer(batch["response_mask"])
     half = batch["tokens"].shape[0] // 2
-    model.zero_grad(set_to_none=True)
+    ddp.zero_grad_buffer()
     losses = []
     for part, finalize in ((slice(0, half), False), (slice(half, None), True)):
         metrics = train_step_forward_backward(
-            model, {key: value[part] for key, value in batch.items()}, "quatro", _algo_config("quatro"),
+            ddp, {key: value[part] for key, value in batch.items()}, "quatro", _algo_config("quatro"),
             1, normalizer=normalizer, finalize_grads=finalize)
         losses.append(metrics["loss"])
     expected = ref["results"]["quatro"]
@@ -238,6 +268,22 @@ def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, 
     for name, param in model.named_parameters():
         _assert_close(f"two calls, grad {name}", _full_gradient(model, name, param),
                       expected["grads"][global_parameter_name(model, name)])
+
+    # megatron's distributed optimizer (masters and Adam state sharded over DP): one step equals
+    # torch AdamW on the reference gradients.
+    fresh = build_model(_model_config())
+    load_full_state_dict(fresh, ref["state"])
+    fresh_ddp = training.wrap_for_training(fresh, distributed_optimizer=True)
+    optimizer = training.build_optimizer(fresh_ddp, training.OptimizerSettings(
+        lr=ADAM_LR, adam_eps=ADAM_EPS, weight_decay=0.0, grad_clip=0.0))
+    training.zero_gradients(fresh_ddp, optimizer)
+    train_step_forward_backward(fresh_ddp, batch, "quatro", _algo_config("quatro"), micro_batch_sizes[0])
+    grad_norm = training.optimizer_step(fresh_ddp, optimizer)
+    reference_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in expected["grads"].values()))
+    _assert_close("grad norm", grad_norm, reference_norm)
+    after = gather_full_state_dict(fresh)
+    for name, update in ref["adam_update"].items():
+        _assert_close(f"adam update {name}", after[name] - ref["state"][name], update, rel=UPDATE_REL_TOL)
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +317,7 @@ def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, mic
     from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
     from quatro_nemo.megatron.models import transformer_engine_available
 
-    ref, layout, model, rows, batch = _rank_setup(tensor_parallel, pipeline_parallel, path)
+    ref, layout, model, ddp, rows, batch = _rank_setup(tensor_parallel, pipeline_parallel, path)
     batching = MicroBatching(max_tokens=max_tokens)
     plan = plan_micro_batches(batch, batching)
     # The budget must make this a real test: trimmed micro-batches of several shapes.
@@ -291,9 +337,9 @@ def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, mic
     model.register_forward_pre_hook(lambda module, args: forward_calls.append(1))
     covered = set()
     for algorithm in ALGORITHMS:
-        model.zero_grad(set_to_none=True)
+        ddp.zero_grad_buffer()
         forward_calls.clear()
-        metrics = train_step_forward_backward(model, batch, _loss_name(algorithm), _algo_config(algorithm),
+        metrics = train_step_forward_backward(ddp, batch, _loss_name(algorithm), _algo_config(algorithm),
                                               batching)
         where = f"{algorithm} tp={tensor_parallel} pp={pipeline_parallel} max_tokens={max_tokens}"
         _assert_step_matches(where, model, metrics, ref["results"][algorithm], covered)
@@ -325,6 +371,7 @@ def test_token_budget_matches_single_process(reference_path, world_size, tensor_
 
 
 def _qwen2_rank(rank, tensor_parallel, pipeline_parallel, path):
+    from quatro_nemo.megatron import training
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
     from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
     from quatro_nemo.megatron.models import build_model
@@ -339,8 +386,8 @@ def _qwen2_rank(rank, tensor_parallel, pipeline_parallel, path):
     _assert_close("qwen2 entropy vs float64", entropy, ref["qwen2"]["entropy64"])
 
     covered = set()
-    model.zero_grad(set_to_none=True)
-    metrics = train_step_forward_backward(model, ref["batch"], "quatro", _algo_config("quatro"), 4)
+    ddp = training.wrap_for_training(model, distributed_optimizer=False)
+    metrics = train_step_forward_backward(ddp, ref["batch"], "quatro", _algo_config("quatro"), 4)
     _assert_step_matches("qwen2 quatro tp=2 pp=2", model, metrics, ref["qwen2"]["quatro"], covered)
     _assert_every_parameter_compared(covered, ref["qwen2"]["state"])
 

@@ -1,0 +1,114 @@
+"""Work-arounds for megatron-core bugs on the optimizer paths this project uses.
+
+Each applies only to the megatron-core versions listed in :data:`AFFECTED_VERSIONS` and only on
+the ``torch.optim.AdamW`` fallback megatron takes without Transformer Engine or apex
+(``USING_PYTORCH_OPTIMIZER``: the CPU machines; GPU clusters with TE use FusedAdam, which keeps
+'step' per parameter group and is not affected). Each is covered by a test that fails without it
+(``tests/megatron/test_dist_checkpoint.py``).
+
+1. Saving or loading before the first step: the distributed optimizer's ``state_dict()`` reads
+   each parameter's 'step', which torch AdamW creates lazily at its first step
+   (``distrib_optimizer.py``, ``assert len(steps) == 1``). Fix: give the optimizer the state of a
+   fresh AdamW (zero moments, step 0) with megatron's own ``_init_optimizer_states_with_dummy_
+   values`` (a step on zero gradients) run at learning rate 0, so that decoupled weight decay
+   cannot move the parameters, and the steps reset to 0.
+2. A ``fully_reshardable`` load fails with ``KeyError: 'step'``: the checkpoint's per-parameter
+   tensors hold param/exp_avg/exp_avg_sq, but ``_set_main_param_and_optimizer_states`` copies
+   every key of the live state, 'step' included (``distrib_optimizer.py``). 'step' itself comes
+   back through the optimizer's param groups. Fix: hand that method the live 'step' as the
+   source of its own copy (a no-op copy), per optimizer instance.
+3. One 'step' tensor for all parameters: loading gives every parameter state the *same* 'step'
+   tensor object, which torch AdamW then increments once per parameter on the next step (wrong
+   bias correction after a resume). Fix: give each parameter its own copy after loading.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+AFFECTED_VERSIONS = ("0.16.1",)
+
+
+def _affected(optimizer) -> bool:
+    from megatron.core import __version__ as mcore_version
+
+    return mcore_version in AFFECTED_VERSIONS and _uses_torch_adam(optimizer)
+
+
+def _uses_torch_adam(optimizer) -> bool:
+    return any(isinstance(inner, (torch.optim.Adam, torch.optim.AdamW))
+               for inner in _inner_optimizers(optimizer))
+
+
+def _megatron_optimizers(optimizer):
+    """The megatron optimizers inside a ``ChainedOptimizer`` (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _inner_optimizers(optimizer):
+    return [opt.optimizer for opt in _megatron_optimizers(optimizer) if getattr(opt, "optimizer", None) is not None]
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Fix 1, before a checkpoint of ``optimizer`` is saved or loaded."""
+    if not _affected(optimizer):
+        return
+    for opt in _distributed_optimizers(optimizer):
+        if len(opt.optimizer.state) == 0:
+            _init_fresh_adam_state(opt)
+
+
+def before_optimizer_load(optimizer) -> None:
+    """Fixes 1 and 2, before a checkpoint is loaded into ``optimizer``."""
+    ensure_optimizer_state(optimizer)
+    if not _affected(optimizer):
+        return
+    for opt in _distributed_optimizers(optimizer):
+        if not getattr(opt, "_quatro_step_fix", False):
+            opt._set_main_param_and_optimizer_states = _with_live_step(opt)
+            opt._quatro_step_fix = True
+
+
+def _distributed_optimizers(optimizer):
+    return [opt for opt in _megatron_optimizers(optimizer) if hasattr(opt, "_init_optimizer_states_with_dummy_values")]
+
+
+def _init_fresh_adam_state(opt) -> None:
+    groups = opt.optimizer.param_groups
+    learning_rates = [group["lr"] for group in groups]
+    for group in groups:
+        group["lr"] = 0.0
+    opt._init_optimizer_states_with_dummy_values()
+    for group, lr in zip(groups, learning_rates):
+        group["lr"] = lr
+    for param_state in opt.optimizer.state.values():
+        if isinstance(param_state.get("step"), torch.Tensor):
+            param_state["step"] = torch.zeros_like(param_state["step"])
+
+
+def _with_live_step(opt):
+    original = opt._set_main_param_and_optimizer_states
+
+    def set_states(model_param, tensors):
+        if "step" not in tensors:
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+            live_step = opt.optimizer.state[main_param].get("step")
+            if live_step is not None:
+                tensors = dict(tensors, step=live_step)
+        original(model_param, tensors)
+
+    return set_states
+
+
+def load_optimizer_state(optimizer, state: Dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, then fix 3 (one 'step' tensor per parameter)."""
+    optimizer.load_state_dict(state)
+    if not _affected(optimizer):
+        return
+    for inner in _inner_optimizers(optimizer):
+        for param_state in inner.state.values():
+            step = param_state.get("step")
+            if isinstance(step, torch.Tensor):
+                param_state["step"] = step.clone()
