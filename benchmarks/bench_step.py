@@ -1,6 +1,6 @@
 """Fixed-rollout step benchmark (issue 15): each algorithm's whole update on the SAME rollouts.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_step.py [--repeats 3] [--rollouts PATH]
+    OMP_NUM_THREADS=1 python benchmarks/bench_step.py [--repeats 3] [--rollouts PATH] [--algorithms quatro]
 
 Timing algorithms in the real training loop mixes their own cost with the response lengths their
 policies happen to sample. Here one set of rollouts is made once and saved (``--rollouts``;
@@ -123,6 +123,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--rollouts", default=None, help="saved rollouts to replay (made here if missing)")
+    parser.add_argument("--algorithms", nargs="+", default=None,
+                        help="a subset of the registry (gspo is always included: the ratios' base)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from quatro_nemo.algos import ALGORITHMS
@@ -145,10 +147,11 @@ def main():
     initial_state = {name: p.detach().clone() for name, p in reference.named_parameters()}
     reference.requires_grad_(False)
 
+    algorithms = [name for name in ALGORITHMS if args.algorithms is None or name in args.algorithms + ["gspo"]]
     steps: dict = {}
     replays = {(name, batching): make_replay(experiment_config(name, width, budget), model_cfg, initial_state,
                                              reference, rollout, rewards, steps)
-               for name in ALGORITHMS for batching, budget in batchings.items()}
+               for name in algorithms for batching, budget in batchings.items()}
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
     print(f"rollouts {path}: {NUM_PROMPTS} prompts x {N}, mean row {float(rollout.lengths.float().mean()):.0f} "
           f"tokens, longest {width}; K={INNER_LOOPS} x {NUM_PROMPTS // MINI_BATCH_PROMPTS} mini-batches; "
@@ -158,7 +161,7 @@ def main():
     print(f"learn_from_rollout, {args.repeats} interleaved rounds: least CPU seconds of this process (median wall in "
           "brackets); ratios of CPU time vs GSPO on the same batching")
     print("algorithm  opt.steps   padded CPU s (wall)   /GSPO   budget CPU s (wall)   /GSPO   budget/padded")
-    for name in ALGORITHMS:
+    for name in algorithms:
         (padded_wall, padded), (budget_wall, budget) = timings[(name, "padded")], timings[(name, "token budget")]
         print(f"{name:9s}  {steps[name]:9d}   {padded:7.2f} ({padded_wall:7.2f})   "
               f"{padded / timings[('gspo', 'padded')][1]:5.3f}   {budget:7.2f} ({budget_wall:7.2f})   "
