@@ -88,12 +88,10 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
     ``learn_from_rollout`` on the saved rollout and records the optimizer steps taken in
     ``optimizer_steps[algorithm name]``."""
     from quatro_nemo.algos import get_algorithm
-    from quatro_nemo.engine.loop import global_rewards, learn_from_rollout, length_penalty, local_prompt_slots
+    from quatro_nemo.engine.loop import (build_policy, global_rewards, learn_from_rollout, length_penalty,
+                                         local_prompt_slots)
     from quatro_nemo.engine.memory_plan import section_from_dict
     from quatro_nemo.engine.rollout import get_rollout_backend
-    from quatro_nemo.megatron import training
-    from quatro_nemo.megatron.checkpoint import load_full_state_dict
-    from quatro_nemo.megatron.models import build_model
 
     spec, trainer = get_algorithm(cfg.algorithm_name), cfg.trainer
     slots = local_prompt_slots(NUM_PROMPTS, MINI_BATCH_PROMPTS, 0, 1)
@@ -101,12 +99,7 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
     state = {}
 
     def prepare():
-        policy = build_model(model_cfg)
-        load_full_state_dict(policy, initial_state)
-        policy_ddp = training.wrap_for_training(policy, distributed_optimizer=scale.distributed_optimizer)
-        optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
-            lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
-            adam_beta2=trainer.adam_beta2, adam_eps=trainer.adam_eps, grad_clip=trainer.grad_clip))
+        policy, policy_ddp, optimizer = build_policy(model_cfg, initial_state, trainer, scale.distributed_optimizer)
         backend = get_rollout_backend("megatron", model=policy, eos_id=1, pad_id=0)
         state.update(policy=policy, policy_ddp=policy_ddp, optimizer=optimizer, backend=backend)
 

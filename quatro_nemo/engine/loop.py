@@ -215,6 +215,19 @@ def update_policy(policy_ddp, optimizer, batch: Dict[str, torch.Tensor], spec, a
     return updates
 
 
+def build_policy(model_cfg, base_state: Dict[str, torch.Tensor], trainer, distributed_optimizer: bool):
+    """(policy, its DDP wrapper, optimizer): the policy from ``base_state`` (sampling and log-probs
+    use it directly), megatron's DDP around it for training, and megatron's (distributed)
+    optimizer with the ``trainer.*`` settings. Shared by :func:`train` and ``benchmarks/bench_step.py``."""
+    policy = build_model(model_cfg)
+    load_full_state_dict(policy, base_state)
+    policy_ddp = training.wrap_for_training(policy, distributed_optimizer=distributed_optimizer)
+    optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
+        lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
+        adam_beta2=trainer.adam_beta2, adam_eps=trainer.adam_eps, grad_clip=trainer.grad_clip))
+    return policy, policy_ddp, optimizer
+
+
 @dataclass
 class RolloutLearning:
     """What :func:`learn_from_rollout` returns: the estimator's output (``advantages`` [B, N] and
@@ -284,14 +297,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     model_cfg = task.model_config(cfg.model)
     base_state = task.load_base_state(model_cfg)    # full (TP=1, PP=1) state dict, same on all ranks
 
-    # The policy (sampling and log-probs use it directly), megatron's DDP around it for training,
-    # and megatron's (distributed) optimizer.
-    policy = build_model(model_cfg)
-    load_full_state_dict(policy, base_state)
-    policy_ddp = training.wrap_for_training(policy, distributed_optimizer=scale.distributed_optimizer)
-    optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
-        lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
-        adam_beta2=trainer.adam_beta2, adam_eps=trainer.adam_eps, grad_clip=trainer.grad_clip))
+    policy, policy_ddp, optimizer = build_policy(model_cfg, base_state, trainer, scale.distributed_optimizer)
     reference = None
     if getattr(cfg.algorithm, "beta", 0.0) > 0:
         reference = build_model(model_cfg)
