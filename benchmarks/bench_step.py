@@ -88,10 +88,12 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
     ``learn_from_rollout`` on the saved rollout and records the optimizer steps taken in
     ``optimizer_steps[algorithm name]``."""
     from quatro_nemo.algos import get_algorithm
-    from quatro_nemo.engine.loop import (build_policy, global_rewards, learn_from_rollout, length_penalty,
+    from quatro_nemo.engine.loop import (build_training_state, global_rewards, learn_from_rollout, length_penalty,
                                          local_prompt_slots)
     from quatro_nemo.engine.memory_plan import section_from_dict
     from quatro_nemo.engine.rollout import get_rollout_backend
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
 
     spec, trainer = get_algorithm(cfg.algorithm_name), cfg.trainer
     slots = local_prompt_slots(NUM_PROMPTS, MINI_BATCH_PROMPTS, 0, 1)
@@ -99,15 +101,17 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
     state = {}
 
     def prepare():
-        policy, policy_ddp, optimizer = build_policy(model_cfg, initial_state, trainer, scale.distributed_optimizer)
+        policy = build_model(model_cfg)
+        load_full_state_dict(policy, initial_state)
         backend = get_rollout_backend("megatron", model=policy, eos_id=1, pad_id=0)
+        policy_ddp, optimizer = build_training_state(policy, trainer, scale.distributed_optimizer)
         state.update(policy=policy, policy_ddp=policy_ddp, optimizer=optimizer, backend=backend)
 
     def run():
         shaped = global_rewards(rewards + length_penalty(rollout, cfg.algorithm, cfg.rollout.max_new_tokens),
                                 NUM_PROMPTS, MINI_BATCH_PROMPTS)
         learned = learn_from_rollout(cfg, spec, state["policy"], state["policy_ddp"], reference, state["optimizer"],
-                                     state["backend"], rollout, shaped, slots, optimizer_steps_done=0)
+                                     state["backend"], rollout, rewards, shaped, slots, optimizer_steps_done=0)
         optimizer_steps[cfg.algorithm_name] = len(learned.metrics)
     return prepare, run
 

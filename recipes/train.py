@@ -19,7 +19,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from quatro_nemo.engine.config import ConfigError, load_config  # noqa: E402
-from quatro_nemo.engine.loop import PREEMPTED_EXIT_CODE, Preempted, train  # noqa: E402
+from quatro_nemo.engine.loop import train  # noqa: E402
+from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted  # noqa: E402
 
 
 def main(argv) -> int:

@@ -12,7 +12,11 @@ repository installed (``pip install --no-deps -e .``). NeMo-style Hydra config
 The flow is NeMo-Aligner's ``examples/nlp/gpt/train_gpt_reinforce_actor.py`` with the QUATRO
 actor and trainer (``quatro_nemo.aligner``), this project's JSONL problems with dataset ids, and
 the reward client from ``quatro.reward`` (verifier in-process, or the remote reward server).
+SIGUSR1/SIGTERM save a checkpoint at the next step boundary and exit with code 75 (requeue me);
+rerunning the same command resumes from it (``exp_manager.resume_if_exists``), as
+``slurm/quatro_aligner.sh`` does.
 """
+import sys
 from functools import partial
 
 import torch
@@ -44,6 +48,7 @@ from quatro_nemo.aligner.data import ProblemPromptDataset, collate_with_prompt_i
 from quatro_nemo.data.schema import read_problems
 from quatro_nemo.aligner.rewards import build_reward_client
 from quatro_nemo.aligner.trainer import QuatroReinforceTrainer
+from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
 
 register_resolvers()
 
@@ -133,11 +138,16 @@ def main(cfg) -> None:
     )
     if custom_trainer_state_dict is not None:
         quatro_trainer.load_state_dict(custom_trainer_state_dict)
-    quatro_trainer.fit()
-
-    communicator = getattr(rm, "communicator", None)  # the remote client's PyTriton threads
-    if communicator is not None:
-        communicator.close()
+    try:
+        quatro_trainer.fit()
+    except Preempted as exc:
+        # Inside main: Hydra's job runner would turn the exception into exit code 1.
+        logging.info(f"preempted: {exc}; checkpoint saved, exiting with {PREEMPTED_EXIT_CODE}")
+        sys.exit(PREEMPTED_EXIT_CODE)
+    finally:
+        communicator = getattr(rm, "communicator", None)  # the remote client's PyTriton threads
+        if communicator is not None:
+            communicator.close()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The project's one test command (README and .ci/run call it): installs what the tests need,
-# then runs the whole suite. Extra arguments go to pytest.
+# runs the main suite in .venv, then builds (or reuses) the NeMo-Aligner environment
+# .venv-aligner and runs tests/aligner in it (scripts/test_aligner.sh, docs/aligner.md). Exit 0
+# only if both suites pass; their closing pytest lines are repeated at the end.
+# Extra arguments go to the main suite's pytest, and then only the main suite runs (the aligner
+# suite alone: bash scripts/test_aligner.sh [pytest arguments]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh test
@@ -14,4 +18,22 @@ if ! command -v bwrap >/dev/null || ! /usr/bin/python3 -c "import numpy" 2>/dev/
     fi
 fi
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" "$@"
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+
+main_rc=0
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" "$@" 2>&1 | tee "$logs/main" || main_rc=$?
+if [ $# -gt 0 ]; then
+    echo "run_tests.sh: pytest arguments given: only the main suite ran (aligner suite: bash scripts/test_aligner.sh)"
+    exit "$main_rc"
+fi
+
+aligner_start=$SECONDS
+aligner_rc=0
+bash scripts/test_aligner.sh 2>&1 | tee "$logs/aligner" || aligner_rc=$?
+aligner_seconds=$((SECONDS - aligner_start))
+
+echo "run_tests.sh: main suite (.venv):            $(tail -n 1 "$logs/main") exit $main_rc"
+echo "run_tests.sh: aligner suite (.venv-aligner): $(tail -n 1 "$logs/aligner") exit $aligner_rc" \
+     "(${aligner_seconds} s with the environment build/check)"
+[ "$main_rc" -eq 0 ] && [ "$aligner_rc" -eq 0 ]

@@ -10,9 +10,9 @@
 # Arguments are NeMo-style Hydra overrides of conf/aligner/gpt_quatro_actor.yaml. Build the image
 # with `docker build --build-arg STACK=aligner` (Dockerfile). Checkpoints and resume are NeMo's
 # exp_manager (resume_if_exists): a requeued or resubmitted job continues from the newest one.
-# The recipe does not handle SIGUSR1 (no --signal here, unlike quatro_*.sh: it would kill the
-# ranks without a checkpoint); to save before the time limit pass
-# ++exp_manager.max_time_per_run=00:23:45:00 (NeMo-Aligner's Timer saves and stops), then resubmit.
+# As with quatro_*.sh: before the time limit (--signal) the ranks finish their step, validate,
+# checkpoint and exit 75, and the job requeues itself (slurm/lib/common.sh). A step plus the
+# validation must fit in the 600 s; raise the @600 for long steps.
 #SBATCH --job-name=quatro-aligner
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
@@ -21,6 +21,7 @@
 #SBATCH --mem=0
 #SBATCH --time=24:00:00
 #SBATCH --requeue
+#SBATCH --signal=B:USR1@600
 #SBATCH --open-mode=append
 #SBATCH --output=slurm/logs/%x-%j.out
 set -euo pipefail

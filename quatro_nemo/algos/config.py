@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from quatro_nemo.algos.dual import DEFAULT_LAMBDA_MIN
+from quatro_nemo.algos.kl import K3_CLAMP
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 QUATRO_LOG_RATIOS = ("seq_sum", "seq_mean", "none")
@@ -48,11 +49,14 @@ class AlgorithmConfig:
     """Fields shared by every algorithm.
 
     beta:          coefficient of the token-level k3 KL to the reference policy (paper App. B).
+    kl_clamp:      cap on each token's k3 value (verl's 10); a token above it adds the constant
+                   cap and no gradient (``kl.k3_kl``). 0 = off.
     loss_agg_mode: how token values are reduced over the global batch (see ``aggregation.py``);
                    also used for the k3 term of sequence-level losses.
     """
 
     beta: float = 0.001
+    kl_clamp: float = K3_CLAMP
     loss_agg_mode: str = "token-mean"
 
     def __post_init__(self) -> None:
@@ -61,6 +65,7 @@ class AlgorithmConfig:
     def validate(self) -> None:
         owner = type(self).__name__
         _check_number(owner, "beta", self.beta, non_negative=True)
+        _check_number(owner, "kl_clamp", self.kl_clamp, non_negative=True)
         _check_choice(owner, "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
     @classmethod
@@ -117,16 +122,34 @@ class ClippedRatioConfig(GroupBaselineConfig):
 
 @dataclass
 class GRPOConfig(ClippedRatioConfig):
-    """GRPO: group-normalised advantage, token-level PPO clip eps = 0.2 (verl default token-mean)."""
+    """GRPO: group-normalised advantage, token-level PPO clip eps = 0.2 (verl default token-mean).
+
+    clip_ratio_c: optional dual clip (Ye et al. 2020, arXiv:1912.09729, Eq. 5): for A < 0 the
+                  token loss is capped at ``-A * clip_ratio_c``; must be > 1. None (default) =
+                  off, as in the GRPO and DAPO papers (verl turns it on with 3).
+    """
+
+    clip_ratio_c: Optional[float] = None
+
+    def validate(self) -> None:
+        super().validate()
+        if self.clip_ratio_c is not None:
+            _check_number(type(self).__name__, "clip_ratio_c", self.clip_ratio_c)
+            if self.clip_ratio_c <= 1:
+                raise ValueError(f"{type(self).__name__}.clip_ratio_c must be > 1 or None (off), "
+                                 f"got {self.clip_ratio_c!r}")
 
 
 @dataclass
-class DAPOConfig(ClippedRatioConfig):
-    """DAPO (Yu et al. 2025, arXiv:2503.14476): clip-higher (0.2, 0.28), token-mean over the batch.
+class DAPOConfig(GRPOConfig):
+    """DAPO (Yu et al. 2025, arXiv:2503.14476): clip-higher (0.2, 0.28), token-mean over the batch;
+    ``clip_ratio_c`` as GRPO's (off, as in the DAPO paper).
 
     Data-side options (the engine applies them with ``dapo_filter_groups`` / ``overlong_penalty``):
-    dynamic_sampling:        drop groups whose rewards are all equal (DAPO Eq. 11 constraint).
-    overlong_buffer_len:     soft overlong punishment window L_cache (DAPO Eq. 13); None = off.
+    dynamic_sampling:        drop groups whose verifier rewards (correctness, BEFORE overlong
+                             shaping) are all equal (DAPO Eq. 11 constraint).
+    overlong_buffer_len:     soft overlong punishment window L_cache (DAPO Eq. 13), added to the
+                             rewards after the filter; None = off.
     overlong_penalty_factor: the penalty reached at the maximum length.
     """
 

@@ -27,9 +27,9 @@ from quatro_nemo.algos.aggregation import (
 from quatro_nemo.algos.config import (
     AlgorithmConfig,
     CISPOConfig,
-    ClippedRatioConfig,
     GMPOConfig,
     GPGConfig,
+    GRPOConfig,
     GSPOConfig,
     QuatroConfig,
 )
@@ -83,10 +83,11 @@ def _clipped_surrogate(ratio, advantages, clip_low, clip_high) -> Tuple[torch.Te
 
 def _finish(pg_loss, metrics, logprobs, old_logprobs, mask, config: AlgorithmConfig, normalizer,
             ref_logprobs, entropy) -> Tuple[torch.Tensor, Metrics]:
-    """Add the beta-weighted k3 reference KL (paper App. B) and the metrics shared by all losses."""
+    """Add the beta-weighted k3 reference KL (paper App. B; each token's k3 capped at
+    ``config.kl_clamp``, see ``kl.k3_kl``) and the metrics shared by all losses."""
     loss = pg_loss
     if ref_logprobs is not None:
-        kl_ref = aggregate_tokens(k3_kl(logprobs, ref_logprobs), mask, config.loss_agg_mode, normalizer)
+        kl_ref = aggregate_tokens(k3_kl(logprobs, ref_logprobs, config.kl_clamp), mask, config.loss_agg_mode, normalizer)
         metrics["policy/kl_ref"] = kl_ref.detach()
         if config.beta > 0:
             loss = loss + config.beta * kl_ref
@@ -160,20 +161,31 @@ def quatro_loss(logprobs, old_logprobs, advantages, response_mask, config: Quatr
 
 
 @register_policy_loss("grpo", "dapo")
-def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, config: ClippedRatioConfig,
+def ppo_clip_loss(logprobs, old_logprobs, advantages, response_mask, config: GRPOConfig,
                   normalizer: LossNormalizer, ref_logprobs=None, entropy=None) -> Tuple[torch.Tensor, Metrics]:
     """Token-level PPO clip (Schulman et al. 2017, Eq. 7) as used by GRPO (arXiv:2402.03300, Eq. 3)
     and DAPO (arXiv:2503.14476, Eq. 8: clip-higher ``(1 - 0.2, 1 + 0.28)``, token-mean):
 
         loss_t = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high)),  r_t = exp(log pi - log pi_old)
-    aggregated with ``config.loss_agg_mode``.
+    aggregated with ``config.loss_agg_mode``. With ``config.clip_ratio_c = c`` (off by default),
+    the dual clip of Ye et al. 2020 (arXiv:1912.09729, Eq. 5) also caps tokens with A < 0:
+
+        loss_t = min(loss_t, -A c)   if A < 0
+    (for A < 0 PPO's loss ``-A r_t`` grows without bound in r_t; past ``r_t = c`` it is constant,
+    no gradient), counted in ``policy/dual_clip_frac``.
     """
-    mask = _check_inputs(logprobs, old_logprobs, advantages, response_mask, config, ClippedRatioConfig, "ppo_clip")
+    mask = _check_inputs(logprobs, old_logprobs, advantages, response_mask, config, GRPOConfig, "ppo_clip")
     ratio = torch.exp(_token_log_ratio(logprobs, old_logprobs))
-    per_token, clipped = _clipped_surrogate(ratio, advantages.to(logprobs.dtype).unsqueeze(1), config.clip_low, config.clip_high)
-    pg_loss = aggregate_tokens(per_token, mask, config.loss_agg_mode, normalizer)
+    token_advantages = advantages.to(logprobs.dtype).unsqueeze(1)
+    per_token, clipped = _clipped_surrogate(ratio, token_advantages, config.clip_low, config.clip_high)
     metrics = _token_ratio_metrics(ratio, mask, normalizer)
     metrics["policy/clip_frac"] = aggregate_tokens(clipped.to(mask.dtype), mask, "token-mean", normalizer)
+    if config.clip_ratio_c is not None:
+        dual_bound = -token_advantages * config.clip_ratio_c
+        dual_clipped = (token_advantages < 0) & (per_token > dual_bound)
+        per_token = torch.where(dual_clipped, dual_bound, per_token)
+        metrics["policy/dual_clip_frac"] = aggregate_tokens(dual_clipped.to(mask.dtype), mask, "token-mean", normalizer)
+    pg_loss = aggregate_tokens(per_token, mask, config.loss_agg_mode, normalizer)
     return _finish(pg_loss, metrics, logprobs, old_logprobs, mask, config, normalizer, ref_logprobs, entropy)
 
 

@@ -7,10 +7,14 @@ from quatro_nemo.algos.dual import check_rewards
 
 
 def dapo_filter_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """Dynamic sampling (DAPO Eq. 11, ``0 < |{o_i correct}| < G``): keep mask ``[B]`` of the
-    groups whose N rewards are NOT all equal (those carry a non-zero group-relative advantage).
+    """Dynamic sampling (DAPO Eq. 11, ``0 < |{o_i | is_equivalent(a, o_i)}| < G``): keep mask
+    ``[B]`` of the groups whose N rewards are NOT all equal (those carry a non-zero group-relative
+    advantage).
 
-    rewards: [B, N] finite (ValueError naming bad rows otherwise).
+    rewards: [B, N] finite (ValueError naming bad rows otherwise): the verifier's correctness
+    rewards, NOT the length-shaped ones. Eq. 11 filters on accuracy; the overlong penalty
+    (Eq. 13, ``overlong_penalty``) is added afterwards, so an all-correct group with one overlong
+    response is still dropped rather than trained on length-driven advantages.
     """
     check_rewards(rewards)
     return ~(rewards == rewards[:, :1]).all(dim=1)

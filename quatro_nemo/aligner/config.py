@@ -48,6 +48,17 @@ class QuatroTrainerOptions:
         return cls(**values)
 
 
+def check_save_interval(value: Any) -> None:
+    """``trainer.reinforce.save_interval`` must be a positive integer: the checkpoint on
+    SIGUSR1/SIGTERM (exit 75, requeue) and at the time limit is NeMo-Aligner's save, which is off
+    at 0 (``check_progress``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"trainer.reinforce.save_interval must be a positive integer, got {value!r}: the checkpoint on "
+            "SIGUSR1/SIGTERM (exit 75, requeue) and at the time limit is NeMo-Aligner's periodic save"
+        )
+
+
 def register_resolvers() -> None:
     """The OmegaConf resolvers NeMo-Aligner's configs use (conf/aligner/*.yaml)."""
     for name, fn in (("multiply", lambda x, y: x * y), ("int_div", lambda x, y: x // y),
@@ -91,6 +102,7 @@ def validate_recipe_config(cfg: DictConfig) -> Tuple[AlgorithmSpec, AlgorithmCon
     if OmegaConf.select(cfg, f"{reinforce}.initial_policy_kl_penalty", default=0) != 0:
         raise ValueError(f"{reinforce}.initial_policy_kl_penalty must be 0: the reference KL is "
                          "model.quatro.algorithm.beta (k3 in the loss)")
+    check_save_interval(OmegaConf.select(cfg, f"{reinforce}.save_interval", default=None))
     num_responses = _positive_int(cfg, f"{reinforce}.num_rollouts_per_prompt")
     if num_responses < 2:
         raise ValueError(f"{reinforce}.num_rollouts_per_prompt must be >= 2 (group-relative advantages), "

@@ -17,6 +17,11 @@ parent (``nemo_aligner/algorithms/reinforce.py``), step by step (``docs/aligner.
    computed on the local shard only.
 5. ``trainer.reinforce.quatro.inner_loops`` (K) optimizer passes over the same rollouts, pi_old
    fixed to the rollout policy (quatro-math.md Sec. 4, "K inner loops").
+6. SIGUSR1 / SIGTERM (``quatro_nemo.megatron.preemption``, as the project's own loop): at the next
+   step boundary every rank sees the signal, the parent's time-limit path saves a checkpoint
+   (``check_progress(run_time_exceeded=True)``) and ``fit`` raises ``Preempted``; the recipe
+   exits 75 and the SLURM template requeues. The rerun resumes from that checkpoint (NeMo's
+   ``exp_manager.resume_if_exists``).
 
 The parent's reward-side KL penalty (``initial_policy_kl_penalty``) must be 0: the reference KL is
 the loss's k3 term (``model.quatro.algorithm.beta``).
@@ -35,8 +40,32 @@ from nemo_aligner.algorithms.reinforce import (
 from nemo_aligner.utils import parallel_state
 from nemo_aligner.utils.parallel_state import is_trt_llm_reshard, trt_llm_reshard_region
 from nemo_aligner.utils.utils import cpu_dict
-from quatro_nemo.aligner.config import QuatroTrainerOptions
+from quatro_nemo.aligner.config import QuatroTrainerOptions, check_save_interval
 from quatro_nemo.aligner.rollouts import PROMPT_IDS, REWARDS, gather_rows, response_mask, shard_global_rollouts
+from quatro_nemo.megatron.preemption import Preempted, PreemptionFlag
+
+
+class RunTimerOrSignal:
+    """NeMo-Aligner's run timer (``nemo_aligner.utils.distributed.Timer``), also finished once any
+    rank got SIGUSR1/SIGTERM. The parent's ``fit`` asks it once per step on every rank; when it is
+    finished the parent saves a checkpoint and returns. ``signalled`` says it was the signal."""
+
+    def __init__(self, timer, preemption: PreemptionFlag) -> None:
+        self.timer = timer
+        self.preemption = preemption
+        self.signalled = False
+
+    def start_time(self) -> None:
+        self.timer.start_time()
+
+    def is_finished(self) -> bool:
+        time_is_up = bool(self.timer.is_finished())
+        self.signalled = self.preemption.any_rank_signalled()
+        return time_is_up or self.signalled
+
+    def __repr__(self) -> str:
+        return f"{self.timer!r} or SIGUSR1/SIGTERM"
+
 
 class QuatroReinforceTrainer(ReinforceTrainer):
     """NeMo-Aligner's REINFORCE trainer driving a :class:`~quatro_nemo.aligner.actor.QuatroReinforceActor`.
@@ -53,9 +82,12 @@ class QuatroReinforceTrainer(ReinforceTrainer):
                 "trainer.reinforce.initial_policy_kl_penalty must be 0 with the QUATRO trainer: the reference "
                 "KL is the k3 term of the loss, set by model.quatro.algorithm.beta"
             )
+        check_save_interval(cfg.get("save_interval"))
         self.quatro_options = QuatroTrainerOptions.from_config(cfg.get("quatro"))
+        self.preemption = PreemptionFlag()
         super().__init__(cfg, model, optimizer, scheduler, train_dataloader_builder, val_dataloader_builder,
-                         collate_fn, rm, batch_iterator_cls, logger, ckpt_callback, run_timer)
+                         collate_fn, rm, batch_iterator_cls, logger, ckpt_callback,
+                         RunTimerOrSignal(run_timer, self.preemption))
         self.compute_init_policy_kl = False  # the parent's reward-side KL is off; see compute_reference
 
     @property
@@ -163,3 +195,10 @@ class QuatroReinforceTrainer(ReinforceTrainer):
         for _ in range(self.quatro_options.inner_loops):
             result = super().run_training(iter(minibatches))
         return result
+
+    def fit(self):
+        """The parent's loop. After SIGUSR1/SIGTERM it has saved a checkpoint at the step boundary
+        and returned: raise ``Preempted`` (the recipe exits 75) unless that was the last step."""
+        super().fit()
+        if self.run_timer.signalled and self.step < self.max_steps:
+            raise Preempted(f"{self.preemption.signal_name or 'signal on another rank'} at step {self.step}")

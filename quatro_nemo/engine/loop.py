@@ -25,13 +25,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import socket
 import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -54,36 +53,11 @@ from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_ba
 from quatro_nemo.megatron.models import build_model
 from quatro_nemo.megatron.quiet import quiet_library_warnings
 from quatro_nemo.megatron.checkpoint import load_full_state_dict
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpoint saved, requeue me (docs/interfaces.md)
-
-
-class Preempted(RuntimeError):
-    """Raised after a SIGUSR1/SIGTERM-triggered checkpoint; the entry point exits with 75."""
-
+from quatro_nemo.megatron.preemption import Preempted, PreemptionFlag
 
 # --------------------------------------------------------------------------------------------
 # Small pieces the loop reads through
 # --------------------------------------------------------------------------------------------
-
-
-class PreemptionFlag:
-    """SIGUSR1 / SIGTERM set a flag; the loop checkpoints at the next step boundary."""
-
-    def __init__(self) -> None:
-        self.signal_name: Optional[str] = None
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        self.signal_name = signal.Signals(signum).name
-
-    def any_rank_signalled(self) -> bool:
-        """True on every rank if any rank was signalled (a collective)."""
-        flag = torch.tensor([1.0 if self.signal_name else 0.0], device=current_device())
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def step_prompt_indices(step: int, batch_size: int, dataset_size: int, seed: int) -> List[int]:
@@ -215,17 +189,14 @@ def update_policy(policy_ddp, optimizer, batch: Dict[str, torch.Tensor], spec, a
     return updates
 
 
-def build_policy(model_cfg, base_state: Dict[str, torch.Tensor], trainer, distributed_optimizer: bool):
-    """(policy, its DDP wrapper, optimizer): the policy from ``base_state`` (sampling and log-probs
-    use it directly), megatron's DDP around it for training, and megatron's (distributed)
-    optimizer with the ``trainer.*`` settings. Shared by :func:`train` and ``benchmarks/bench_step.py``."""
-    policy = build_model(model_cfg)
-    load_full_state_dict(policy, base_state)
+def build_training_state(policy, trainer, distributed_optimizer: bool):
+    """(megatron's DDP around ``policy``, megatron's (distributed) optimizer with the
+    ``trainer.*`` settings). Shared by :func:`train` and ``benchmarks/bench_step.py``."""
     policy_ddp = training.wrap_for_training(policy, distributed_optimizer=distributed_optimizer)
     optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
         lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
         adam_beta2=trainer.adam_beta2, adam_eps=trainer.adam_eps, grad_clip=trainer.grad_clip))
-    return policy, policy_ddp, optimizer
+    return policy_ddp, optimizer
 
 
 @dataclass
@@ -241,12 +212,14 @@ class RolloutLearning:
 
 
 def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
-                       shaped: torch.Tensor, slots: List[int], optimizer_steps_done: int) -> RolloutLearning:
+                       rewards: torch.Tensor, shaped: torch.Tensor, slots: List[int],
+                       optimizer_steps_done: int) -> RolloutLearning:
     """Steps 4-6 of a training step on this rank's rollout, shared by :func:`train` and
     ``benchmarks/bench_step.py`` (which replays saved rollouts through it).
 
-    ``shaped``: the global [B, N] rewards after length shaping; ``slots``: this DP rank's global
-    prompt positions (:func:`local_prompt_slots`). Collective over all ranks.
+    ``rewards`` / ``shaped``: the global [B, N] verifier rewards and those after length shaping;
+    ``slots``: this DP rank's global prompt positions (:func:`local_prompt_slots`). Collective over
+    all ranks.
     """
     n = cfg.rollout.n
     batching = MicroBatching.from_parallel_config(cfg.parallel)
@@ -256,7 +229,9 @@ def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, referenc
     advantages = advantage_out.advantages[slots].reshape(-1)
 
     # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
-    group_weights = kept_groups(shaped, cfg.algorithm)[slots].repeat_interleave(n)
+    # DAPO's dynamic sampling filters on correctness (the raw verifier rewards, Eq. 11), not on
+    # the length-shaped rewards the advantages use (Eq. 13).
+    group_weights = kept_groups(rewards, cfg.algorithm)[slots].repeat_interleave(n)
     batch = make_batch(rollout, advantages, group_weights)
     with torch.no_grad():
         batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, batching)
@@ -297,14 +272,23 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     model_cfg = task.model_config(cfg.model)
     base_state = task.load_base_state(model_cfg)    # full (TP=1, PP=1) state dict, same on all ranks
 
-    policy, policy_ddp, optimizer = build_policy(model_cfg, base_state, trainer, scale.distributed_optimizer)
+    # The policy (sampling and log-probs use it directly), megatron's DDP around it for training,
+    # and megatron's (distributed) optimizer.
+    policy = build_model(model_cfg)
+    load_full_state_dict(policy, base_state)
+    # The rollout engine first: a colocated vLLM engine checks at start-up that its share of GPU
+    # memory is free, which it no longer is once gradient buffers and optimizer state exist.
+    backend = get_rollout_backend(rollout_cfg.backend, model=policy, eos_id=task.eos_id, pad_id=task.pad_id)
+    policy_ddp, optimizer = build_training_state(policy, trainer, scale.distributed_optimizer)
     reference = None
     if getattr(cfg.algorithm, "beta", 0.0) > 0:
+        if not scale.reference_on_gpu:
+            raise ValueError("scale.reference_on_gpu=false is not implemented: the reference model "
+                             "lives on the run device (set it to true, or algorithm.beta=0)")
         reference = build_model(model_cfg)
         load_full_state_dict(reference, base_state)
         reference.requires_grad_(False)
     del base_state
-    backend = get_rollout_backend(rollout_cfg.backend, model=policy, eos_id=task.eos_id, pad_id=task.pad_id)
     # A colocated rollout engine needs the device memory the optimizer state and gradients hold.
     offload_in_rollout = scale.offload_optimizer_in_rollout and rollout_cfg.backend == "vllm"
 
@@ -366,7 +350,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
 
         # 4-6. Advantages, log pi_old / log pi_ref, K inner loops of optimizer steps.
         learned = learn_from_rollout(cfg, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
-                                     shaped, slots, optimizer_steps_done)
+                                     rewards, shaped, slots, optimizer_steps_done)
         advantage_out, update_metrics, old_entropy = learned.advantages, learned.metrics, learned.old_entropy
         optimizer_steps_done += len(update_metrics)
         t_logprobs, t_update = learned.t_logprobs, time.perf_counter()

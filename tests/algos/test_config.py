@@ -23,6 +23,9 @@ BAD_VALUES = [
     (GRPOConfig, "clip_low", 0.0),
     (GRPOConfig, "eps", -1.0),
     (GRPOConfig, "norm_by_std", "yes"),
+    (GRPOConfig, "kl_clamp", -1.0),
+    (GRPOConfig, "clip_ratio_c", 1.0),
+    (DAPOConfig, "clip_ratio_c", float("inf")),
     (DAPOConfig, "overlong_buffer_len", 0),
     (DAPOConfig, "overlong_penalty_factor", -1.0),
 ]

@@ -134,8 +134,10 @@ def test_quatro_optional_clamp_reports_and_bounds():
 
 # ---------------------------------------------------------------- baselines vs hand values
 
-def _ppo_token(ratio, a, lo, hi):
-    return max(-a * ratio, -a * min(max(ratio, 1 - lo), 1 + hi))
+def _ppo_token(ratio, a, lo, hi, dual_c=None):
+    """PPO clip (Schulman et al. 2017, Eq. 7); with dual_c, Ye et al. 2020's cap for a < 0 (Eq. 5)."""
+    loss = max(-a * ratio, -a * min(max(ratio, 1 - lo), 1 + hi))
+    return min(loss, -a * dual_c) if dual_c is not None and a < 0 else loss
 
 
 def reference_loss(name, config, logprobs, old, ref, mask, adv):
@@ -155,7 +157,8 @@ def reference_loss(name, config, logprobs, old, ref, mask, adv):
     r = [[lp[i][t] - ol[i][t] for t in range(len(lp[i]))] for i in range(len(lp))]
     a = adv.tolist()
     if name in ("grpo", "dapo"):
-        tok = [[_ppo_token(math.exp(x), a[i], config.clip_low, config.clip_high) for x in r[i]] for i in range(len(r))]
+        tok = [[_ppo_token(math.exp(x), a[i], config.clip_low, config.clip_high, config.clip_ratio_c) for x in r[i]]
+               for i in range(len(r))]
         pg = aggregate(tok, config.loss_agg_mode)
     elif name == "gspo":
         pg = 0.0
@@ -177,6 +180,8 @@ def reference_loss(name, config, logprobs, old, ref, mask, adv):
     else:
         raise AssertionError(name)
     k3 = [[math.exp(rf[i][t] - lp[i][t]) - (rf[i][t] - lp[i][t]) - 1 for t in range(len(r[i]))] for i in range(len(r))]
+    if config.kl_clamp > 0:
+        k3 = [[min(value, config.kl_clamp) for value in row] for row in k3]
     return pg + config.beta * aggregate(k3, config.loss_agg_mode)
 
 
@@ -185,6 +190,7 @@ BASELINES = [
     ("grpo", GRPOConfig(beta=0.0, loss_agg_mode="seq-mean-token-mean")),
     ("dapo", DAPOConfig(beta=0.02)),
     ("dapo", DAPOConfig(beta=0.02, loss_agg_mode="seq-mean-token-sum")),
+    ("dapo", DAPOConfig(beta=0.02, clip_ratio_c=1.3, kl_clamp=0.05)),   # both caps fire on this batch
     ("gspo", GSPOConfig(beta=0.02)),
     ("gmpo", GMPOConfig(beta=0.02)),
     ("cispo", CISPOConfig(beta=0.02)),
@@ -192,7 +198,7 @@ BASELINES = [
 ]
 
 
-@pytest.mark.parametrize("name,config", BASELINES, ids=[f"{n}-{c.loss_agg_mode}" for n, c in BASELINES])
+@pytest.mark.parametrize("name,config", BASELINES, ids=[f"{n}-{c.loss_agg_mode}-{i}" for i, (n, c) in enumerate(BASELINES)])
 def test_baseline_matches_reference(name, config):
     logprobs, old, ref, mask, adv, _ = make_batch(seed=8, spread=0.4, empty_row=2)
     normalizer = LossNormalizer(5, float(mask.sum()))  # row 2 is empty: 5 sequences
@@ -215,6 +221,40 @@ def test_ppo_clip_hand_values():
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [0.0], [math.exp(0.1) / 3]], dtype=D))
     assert metrics["policy/clip_frac"].item() == pytest.approx(2 / 3)
+
+
+def test_dual_clip_hand_values():
+    """Ye et al. 2020 (arXiv:1912.09729, Eq. 5), c = 3, clip (0.8, 1.2), one token each, hand-derived:
+    A < 0 tokens whose PPO loss -A r exceeds -A c are capped there (constant, no gradient)."""
+    logprobs = torch.tensor([[math.log(5.0)], [0.5], [math.log(5.0)], [2.0]], dtype=D, requires_grad=True)
+    old = torch.zeros(4, 1, dtype=D)
+    adv = torch.tensor([-1.0, -2.0, 1.0, -0.5], dtype=D)
+    mask = torch.ones(4, 1, dtype=D)
+    # PPO alone: token 1 max(5, 1.2) = 5 (grad -A r = 5); token 2 max(2 e^.5, 2.4) = 2 e^.5 (grad 2 e^.5);
+    # token 3 (A > 0) max(-5, -1.2) = -1.2 (clipped, no grad); token 4 max(.5 e^2, .6) = .5 e^2 (grad .5 e^2).
+    # Dual clip c = 3 caps token 1 at 1 * 3 = 3 and token 4 at .5 * 3 = 1.5; token 2 (2 e^.5 = 3.30 < 6) stays.
+    cases = {
+        None: ((5.0 + 2 * math.exp(0.5) - 1.2 + 0.5 * math.exp(2.0)) / 4,
+               [5.0 / 4, 2 * math.exp(0.5) / 4, 0.0, 0.5 * math.exp(2.0) / 4]),
+        3.0: ((3.0 + 2 * math.exp(0.5) - 1.2 + 1.5) / 4, [0.0, 2 * math.exp(0.5) / 4, 0.0, 0.0]),
+    }
+    for dual_c, (expected_loss, expected_grad) in cases.items():
+        logprobs.grad = None
+        loss, metrics = get_policy_loss("grpo")(logprobs, old, adv, mask, GRPOConfig(beta=0.0, clip_ratio_c=dual_c),
+                                                LossNormalizer(4, 4))
+        loss.backward()
+        assert loss.item() == pytest.approx(expected_loss, rel=1e-14)
+        torch.testing.assert_close(logprobs.grad, torch.tensor(expected_grad, dtype=D).unsqueeze(1), rtol=1e-14, atol=0)
+        assert metrics["policy/clip_frac"].item() == pytest.approx(1 / 4)
+        assert ("policy/dual_clip_frac" in metrics) == (dual_c is not None)
+    assert metrics["policy/dual_clip_frac"].item() == pytest.approx(2 / 4)
+
+
+def test_dual_clip_is_off_by_default_and_validated():
+    assert GRPOConfig().clip_ratio_c is None and DAPOConfig().clip_ratio_c is None
+    for bad in (1.0, 0.5, float("nan"), "3"):
+        with pytest.raises(ValueError, match=r"GRPOConfig\.clip_ratio_c"):
+            GRPOConfig(clip_ratio_c=bad)
 
 
 def test_cispo_keeps_gradient_of_clipped_tokens():
@@ -241,6 +281,34 @@ def test_k3_hand_value():
                                            GPGConfig(beta=0.5), LossNormalizer(1, 1), ref_logprobs=ref)
     assert metrics["policy/kl_ref"].item() == pytest.approx(1.0 - math.log(2.0), rel=1e-14)
     assert loss.item() == pytest.approx(0.5 * (1.0 - math.log(2.0)), rel=1e-14)
+
+
+def test_k3_clamp_caps_the_value_and_stops_the_gradient_of_wild_tokens():
+    """Reference-KL gradient of one token per row, beta = 1, token-mean over 3 tokens, A = 0 (GPG's
+    -A log pi adds nothing). d/d log pi of k3 = exp(r) - r - 1, r = ref - log pi, is 1 - exp(r):
+    -3.27e6 at r = 15 with the clamp off; 0 with the default cap 10 (k3(15) > 10 is replaced by the
+    constant 10); rows with k3 below the cap (r = 2: 4.39, r = -0.5: 0.107) are unchanged."""
+    logprobs = torch.tensor([[-20.0], [-3.0], [-1.0]], dtype=D, requires_grad=True)
+    r = torch.tensor([15.0, 2.0, -0.5], dtype=D)
+    ref = logprobs.detach() + r.unsqueeze(1)
+    zero_adv = torch.zeros(3, dtype=D)
+    bare_k3 = [math.exp(x) - x - 1 for x in r.tolist()]
+    bare_grad = [(1 - math.exp(x)) / 3 for x in r.tolist()]
+    cases = {
+        0.0: (sum(bare_k3) / 3, bare_grad),
+        10.0: ((10.0 + bare_k3[1] + bare_k3[2]) / 3, [0.0, bare_grad[1], bare_grad[2]]),
+    }
+    assert GPGConfig().kl_clamp == 10.0
+    for clamp, (expected_kl, expected_grad) in cases.items():
+        logprobs.grad = None
+        loss, metrics = get_policy_loss("gpg")(logprobs, logprobs.detach(), zero_adv, torch.ones(3, 1, dtype=D),
+                                               GPGConfig(beta=1.0, kl_clamp=clamp), LossNormalizer(3, 3), ref_logprobs=ref)
+        loss.backward()
+        assert metrics["policy/kl_ref"].item() == pytest.approx(expected_kl, rel=1e-14)
+        torch.testing.assert_close(logprobs.grad, torch.tensor(expected_grad, dtype=D).unsqueeze(1), rtol=1e-14, atol=0)
+    assert bare_grad[0] * 3 == pytest.approx(-3.269e6, rel=1e-3)  # the issue's figure
+    with pytest.raises(ValueError, match=r"GPGConfig\.kl_clamp"):
+        GPGConfig(kl_clamp=-1.0)
 
 
 def test_shape_and_config_errors():
@@ -273,6 +341,7 @@ LOSS_CASES = [(name, {}) for name in ALGORITHMS] + [
     ("grpo", {"loss_agg_mode": "seq-mean-token-sum"}),
     ("quatro", {"log_ratio": "seq_mean", "clip_low": 0.1, "clip_high": 0.1, "log_ratio_clamp": 0.5}),
     ("quatro", {"loss_agg_mode": "token-mean"}),
+    ("dapo", {"clip_ratio_c": 1.3, "kl_clamp": 0.05}),
 ]
 
 

@@ -27,3 +27,16 @@ def test_overlong_penalty_bad_arguments():
         overlong_penalty(torch.tensor([1]), max_len=10, cache_len=0)
     with pytest.raises(ValueError, match="factor"):
         overlong_penalty(torch.tensor([1]), max_len=10, cache_len=2, factor=-1.0)
+
+
+def test_all_correct_group_with_an_overlong_response_is_dropped():
+    """DAPO filters on correctness (Eq. 11), then shapes lengths (Eq. 13): a group whose 4 answers
+    are all correct is dropped even though one of them (length 20 of L_max 20, L_cache 4) is
+    penalised -1. Filtering the shaped rewards [1, 1, 0, 1] instead would keep it and train on
+    advantages driven by length alone."""
+    correct = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    lengths = torch.tensor([[8, 10, 20, 12], [8, 10, 20, 12]])
+    shaped = correct + overlong_penalty(lengths.flatten(), max_len=20, cache_len=4).view(2, 4)
+    assert shaped.tolist() == [[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, -1.0, 0.0]]   # hand values
+    assert dapo_filter_groups(correct).tolist() == [False, True]
+    assert dapo_filter_groups(shaped).tolist() == [True, True]                # the bug this guards

@@ -9,12 +9,13 @@ def log_softmax_gather(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tens
 
 
 def quatro_loss_reference(logprobs, old_logprobs, advantages, mask, beta, ref_logprobs=None,
-                          log_ratio="seq_sum"):
+                          log_ratio="seq_sum", kl_clamp=10.0):
     """QUATRO loss over a whole batch (quatro-math.md Sec. 4, Eq. 17), seq-mean-token-mean:
 
-        L = -(1/S) sum_i s_i (A_i - sg[g_i]) + beta * (1/S) sum_i (1/|o_i|) sum_t k3_it
+        L = -(1/S) sum_i s_i (A_i - sg[g_i]) + beta * (1/S) sum_i (1/|o_i|) sum_t min(k3_it, kl_clamp)
         l_i = sum_t r_it,  s_i = exp(l_i / |o_i|),  g_i = l_i (seq_sum) or l_i/|o_i| (seq_mean),
-        k3 = exp(q) - q - 1 with q = log pi_ref - log pi_theta (paper App. B).
+        k3 = exp(q) - q - 1 with q = log pi_ref - log pi_theta (paper App. B), capped at
+        kl_clamp (the documented default 10; 0 = no cap).
     """
     mask = mask.double()
     lengths = mask.sum(-1)
@@ -25,5 +26,7 @@ def quatro_loss_reference(logprobs, old_logprobs, advantages, mask, beta, ref_lo
     if beta > 0:
         q = ref_logprobs.double() - logprobs.double()
         k3 = torch.exp(q) - q - 1
+        if kl_clamp > 0:
+            k3 = torch.minimum(k3, torch.tensor(kl_clamp, dtype=k3.dtype))
         loss = loss + beta * ((k3 * mask).sum(-1) / lengths).mean()
     return loss

@@ -51,6 +51,7 @@ def test_shipped_config_composes_and_validates(problem_files):
     ("trainer.reinforce.quatro.inner_loops=0", "inner_loops"),
     ("++model.quatro.algorithm.dleta=0.1", "dleta"),
     ("quatro.reward.kind=http", "quatro.reward.kind"),
+    ("trainer.reinforce.save_interval=0", "trainer.reinforce.save_interval"),
 ])
 def test_bad_config_names_the_key(problem_files, override, message):
     train, val = problem_files

@@ -26,7 +26,7 @@ CASES = [
     (
         QuatroReinforceTrainer,
         ReinforceTrainer,
-        {"__init__", "_run_inference", "generate_reinforce_data", "run_training"},
+        {"__init__", "_run_inference", "generate_reinforce_data", "run_training", "fit"},
         {"compute_reference", "_generate_scored_rollouts", "_gather_globally"},
     ),
 ]

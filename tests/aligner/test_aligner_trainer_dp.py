@@ -3,15 +3,15 @@
 Real: NeMo-Aligner's ``ReinforceTrainer.fit`` / ``generate_rollouts`` / ``run_training``, its
 ``build_dataloader`` (Megatron random sampler), collate function, ``DefaultBatchIterator``,
 ``ReinforceRolloutBatch`` gather over gloo, and this project's dataset, verifier reward client
-and QUATRO estimator. Stand-ins: the actor (no checkpoint on CPU) generates deterministic
-responses and records what it is asked to train on; the verifier scores by a fixed rule.
+and QUATRO estimator. Stand-ins (``aligner_standins.py``): the actor (no checkpoint on CPU)
+generates deterministic responses and records what it is asked to train on; the verifier scores
+by a fixed rule.
 
 Reference (parent process, brute force): the rollouts both ranks generated, grouped by dataset
 id in Python, advantages from scipy's root of QUATRO's dual (and from ``algos``), cut into the
 optimizer-step shards by hand.
 """
 import math
-from functools import partial
 
 import numpy as np
 import pytest
@@ -20,151 +20,28 @@ import torch
 pytest.importorskip("nemo_aligner")
 scipy_optimize = pytest.importorskip("scipy.optimize")
 
-from omegaconf import OmegaConf  # noqa: E402
-
 from aligner_ranks import run_ranks  # noqa: E402
-
-NUM_PROBLEMS, PROMPTS_PER_STEP, NUM_RESPONSES, ROLLOUT_MBS = 16, 4, 4, 2
-GLOBAL_BATCH_SIZE, INNER_LOOPS, DELTA = 8, 2, 0.1
-MAX_RESPONSE = 3
-
-
-class Tokenizer:
-    eos_id = 0
-
-    def text_to_ids(self, text):
-        return [1 + ord(char) % 9 for char in text]
-
-    def ids_to_text(self, ids):
-        return "".join(chr(ord("a") + i) for i in ids)
-
-
-def score(problem, response):
-    """The stand-in verifier's rule (reward in {0, 0.5, 1})."""
-    return ((len(response) + sum(map(ord, response)) + int(problem["answer"])) % 3) / 2
-
-
-class Verifier:
-    def score_batch(self, problems, responses):
-        return [score(p, r) for p, r in zip(problems, responses)]
-
-
-class Actor:
-    """Stand-in for QuatroReinforceActor: the attributes and calls the trainer uses."""
-
-    def __init__(self, rank):
-        from quatro_nemo.algos import get_algorithm
-
-        self.rank = rank
-        self.tokenizer = Tokenizer()
-        self.algorithm = get_algorithm("quatro")
-        self.algorithm_config = self.algorithm.config_cls(delta=DELTA, beta=0.01)
-        self.needs_reference_logprobs = True
-        self.generated = []  # (prompt_id, tokens, prompt_len, response_len) per response, in order
-        self.trained_on = []  # the training batches get_loss_and_metrics saw, in order
-        self.calls = 0
-
-    def infer(self, batch):
-        tokens = batch["text"].clone()
-        prompt_lengths = batch["length"].clone()
-        response_lengths = torch.empty_like(prompt_lengths)
-        for row in range(tokens.size(0)):
-            self.calls += 1
-            length = 1 + (self.rank + self.calls) % MAX_RESPONSE
-            start = int(prompt_lengths[row])
-            tokens[row, start:start + length] = 1 + (torch.arange(length) * (self.calls + 3 * self.rank)) % 9
-            response_lengths[row] = start + length
-            if not self.trained_on:  # the training rollouts (validation comes after training)
-                self.generated.append((int(batch["prompt_ids"][row]), tokens[row, :start + length].clone(),
-                                       start, start + length))
-        return {"response_tokens": tokens, "response_lengths": response_lengths,
-                "prompt_lengths": prompt_lengths, "is_end": torch.ones(tokens.size(0), dtype=torch.bool)}
-
-    def get_inference_log_probs(self, tokens):
-        return -0.1 * tokens[:, 1:].float()
-
-    def get_init_policy_logprobs(self, tokens):
-        return -0.2 * tokens[:, 1:].float()
-
-    def get_loss_and_metrics(self, batch, forward_only):
-        self.trained_on.append({k: v.clone() for k, v in batch.items()})
-        return 0.0, {"policy/loss": 0.0}
-
-    def prepare_for_inference(self):
-        pass
-
-    finish_inference = prepare_for_training = prepare_for_training_step = prepare_for_inference
-    finish_training_step = finish_training = prepare_for_inference
-
-
-class Optimizer:
-    param_groups = [{"lr": 1e-6}]
-
-    def zero_grad(self):
-        pass
-
-    def step(self):
-        pass
-
-
-class Scheduler:
-    def step(self):
-        pass
-
-
-class Logger:
-    def log_metrics(self, *args, **kwargs):
-        pass
-
-    def log_table(self, *args, **kwargs):
-        pass
-
-    def finalize(self):
-        pass
-
-
-class Checkpoint:
-    def custom_save(self, monitor_candidates, is_train_end):
-        pass
-
-
-def _problems():
-    return [{"id": f"p{i}", "benchmark": "test", "prompt": "q" * (1 + i % 3) + str(i), "answer": str(i % 3)}
-            for i in range(NUM_PROBLEMS)]
+from aligner_standins import (  # noqa: E402
+    DELTA,
+    GLOBAL_BATCH_SIZE,
+    INNER_LOOPS,
+    NUM_RESPONSES,
+    PROMPTS_PER_STEP,
+    Actor,
+    Checkpoint,
+    Tokenizer,
+    build_trainer,
+    problems,
+    score,
+)
 
 
 def _trainer_rank(rank):
-    from nemo_aligner.data.nlp.builders import build_dataloader, collate_with_pad_to_max_batch
-    from nemo_aligner.utils.batch_iterators import DefaultBatchIterator
-    from nemo_aligner.utils.distributed import Timer
-
-    from quatro_nemo.aligner.data import ProblemPromptDataset, collate_with_prompt_ids
-    from quatro_nemo.aligner.rewards import VerifierRewardClient
-    from quatro_nemo.aligner.trainer import QuatroReinforceTrainer
     from quatro_nemo.megatron.parallel import initialize_parallel
 
     initialize_parallel(tensor_parallel=1)  # world 2 -> DP 2
-    problems, tokenizer = _problems(), Tokenizer()
-    dataset = ProblemPromptDataset(problems, tokenizer, "{prompt}", max_prompt_length=8)
-    cfg = OmegaConf.create({"model": {"seed": 7, "data": {"num_workers": 0}}})
-    collate_fn = collate_with_prompt_ids(
-        collate_with_pad_to_max_batch(MAX_RESPONSE, tokenizer.eos_id, cfg, generate_masks_and_position_ids=False))
-    builder = partial(build_dataloader, cfg=cfg, dataset=dataset, mbs=ROLLOUT_MBS, gbs=PROMPTS_PER_STEP,
-                      collate_fn=collate_fn, load_gbs=False)
-    trainer_cfg = OmegaConf.create({
-        "max_epochs": 1, "max_steps": 1, "val_check_interval": 10, "save_interval": 10,
-        "gradient_clip_val": 0.0, "initial_policy_kl_penalty": 0.0, "use_absolute_kl": True,
-        "num_rollouts_per_prompt": NUM_RESPONSES, "rollout_batch_seq_length": None,
-        "model_gbs": GLOBAL_BATCH_SIZE, "model_mbs": 1,
-        "quatro": {"inner_loops": INNER_LOOPS, "shuffle_groups": False, "seed": 3},
-    })
     actor = Actor(rank)
-    trainer = QuatroReinforceTrainer(
-        cfg=trainer_cfg, model=actor, optimizer=Optimizer(), scheduler=Scheduler(),
-        train_dataloader_builder=builder, val_dataloader_builder=builder, collate_fn=collate_fn,
-        rm=VerifierRewardClient(Verifier(), problems, tokenizer), batch_iterator_cls=DefaultBatchIterator,
-        logger=Logger(), ckpt_callback=Checkpoint(), run_timer=Timer(None),
-    )
+    trainer = build_trainer(actor, Checkpoint())
     trainer.fit()
     return {"generated": actor.generated, "trained_on": actor.trained_on, "step": trainer.step,
             "consumed_samples": trainer.consumed_samples}
@@ -194,7 +71,7 @@ def test_fit_step_dp2_shards_and_quatro_advantages(tmp_path):
     from quatro_nemo.algos import get_algorithm
 
     results = run_ranks(2, tmp_path, _trainer_rank)
-    problems = _problems()
+    problem_list = problems()
     tokenizer = Tokenizer()
 
     # Brute force: the global batch is rank 0's rollouts then rank 1's; group by dataset id.
@@ -205,7 +82,7 @@ def test_fit_step_dp2_shards_and_quatro_advantages(tmp_path):
         groups.setdefault(prompt_id, []).append(row)
     assert all(len(rows) == NUM_RESPONSES for rows in groups.values())
     grouped = [row for rows in groups.values() for row in rows]
-    rewards = {row: score(problems[rollouts[row][0]], tokenizer.ids_to_text(
+    rewards = {row: score(problem_list[rollouts[row][0]], tokenizer.ids_to_text(
         rollouts[row][1][rollouts[row][2]:rollouts[row][3]].tolist())) for row in grouped}
     advantage = {}
     reward_matrix = torch.tensor([[rewards[r] for r in rows] for rows in groups.values()], dtype=torch.float64)

@@ -4,9 +4,8 @@
     python tests/engine/memory_probe.py --world-size 2 --tensor-parallel 2 --params-dtype bfloat16 --out DIR
 
 Each rank (forked, over gloo) builds the real model (``quatro_nemo.megatron.models.build_model``),
-wraps it in megatron-core's ``DistributedDataParallel`` (fp32 gradient buffer) and
-``get_megatron_optimizer`` (Adam, distributed or not) with the settings issue 14's engine uses,
-runs two optimizer steps of ``train_step_forward_backward`` (the product's loss path), and writes
+wraps it in megatron-core's ``DistributedDataParallel`` and optimizer exactly as the engine does
+(``quatro_nemo.megatron.training``), runs two optimizer steps of ``train_step_forward_backward`` (the product's loss path), and writes
 ``rank<r>.json``: the growth of its resident set (``VmRSS``) and of its high-water mark
 (``VmHWM``) from a baseline taken just before the model is built. The peak is reset at the
 baseline through ``/proc/self/clear_refs`` (Linux "5": reset the peak RSS), so it counts only what
@@ -75,6 +74,7 @@ def _rank(rank: int, tensor_parallel: int, distributed_optimizer: bool, params_d
     import torch
 
     from quatro_nemo.algos import get_algorithm
+    from quatro_nemo.megatron import training
     from quatro_nemo.megatron.forward import train_step_forward_backward
     from quatro_nemo.megatron.models import ModelConfig, build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
@@ -90,11 +90,9 @@ def _rank(rank: int, tensor_parallel: int, distributed_optimizer: bool, params_d
     model, optimizer = build_training_state(build_model(model_config), distributed_optimizer)
     state_kb = memory_kb("VmRSS")
     for _ in range(STEPS):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        train_step_forward_backward(model, batch, LOSS, algo_config, MICRO_BATCH, finalize_grads=False)
-        model.finish_grad_sync()
-        optimizer.step()
+        training.zero_gradients(model, optimizer)
+        train_step_forward_backward(model, batch, LOSS, algo_config, MICRO_BATCH)
+        training.optimizer_step(model, optimizer)
     gc.collect()
     result = {
         "rank": rank, "tensor_parallel": layout.tensor_parallel, "data_parallel": layout.data_parallel,
@@ -128,11 +126,11 @@ def _loss_path(rank: int, out: str) -> None:
     hidden_states = torch.randn(rows, length, hidden, generator=gen, requires_grad=True)
     output_weight = (0.02 * torch.randn(hidden, vocab, generator=gen)).requires_grad_()
     loss_func = make_loss_func(get_policy_loss(LOSS), get_algorithm(LOSS).config_cls(beta=0.0),
-                               LossNormalizer(num_sequences=rows, num_tokens=float(rows * (length - 1))), batch, 1)
+                               LossNormalizer(num_sequences=rows, num_tokens=float(rows * (length - 1))), batch)
     gc.collect()
     reset_peak()
     baseline_kb = memory_kb("VmRSS")
-    loss, _ = loss_func(hidden_states @ output_weight)  # the output layer's logits [S, L, V]
+    loss, _, _ = loss_func(hidden_states @ output_weight)  # the output layer's logits [S, L, V]
     loss.backward()
     peak = (memory_kb("VmHWM") - baseline_kb) * 1024 - (hidden_states.numel() + output_weight.numel()) * 4
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -140,25 +138,12 @@ def _loss_path(rank: int, out: str) -> None:
 
 
 def build_training_state(model, distributed_optimizer: bool):
-    """megatron-core DDP (fp32 grad buffer, no overlap) and Adam, as issue 14's engine builds them
-    (a bf16 model inside megatron's ``Float16Module``, as Megatron-LM wraps it)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
+    """The engine's own DDP wrapper and optimizer (quatro_nemo.megatron.training, as
+    quatro_nemo.engine.loop.train builds them)."""
+    from quatro_nemo.megatron import training
 
-    _report_cuda_type_names_on_cpu()
-    config = model.config
-    if config.bf16:
-        model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=distributed_optimizer)
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, bf16=config.bf16,
-                        params_dtype=config.params_dtype, use_distributed_optimizer=distributed_optimizer,
-                        clip_grad=1.0),
-        [model])
-    return model, optimizer
+    ddp = training.wrap_for_training(model, distributed_optimizer=distributed_optimizer)
+    return ddp, training.build_optimizer(ddp, training.OptimizerSettings(lr=1e-4, weight_decay=0.01))
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -166,32 +151,6 @@ def optimizer_state_bytes(optimizer) -> int:
     inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
     return sum(value.numel() * value.element_size() for state in inner.state.values()
                for value in state.values() if hasattr(value, "numel") and value.numel() > 1)
-
-
-_TYPE_MODE = None
-
-
-def _report_cuda_type_names_on_cpu() -> None:
-    """megatron's optimizers classify parameters by ``param.type() == 'torch.cuda.FloatTensor'``;
-    on the CPU, make the no-argument ``Tensor.type()`` report that name (docs/stack-facts.md).
-    A stand-in for the lead's shim in quatro_nemo/megatron/compat.py until it lands."""
-    global _TYPE_MODE
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    if torch.cuda.is_available() or _TYPE_MODE is not None:
-        return
-
-    class CudaTypeNameMode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-                name = func(*args)
-                return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-            return func(*args, **kwargs)
-
-    _TYPE_MODE = CudaTypeNameMode()
-    _TYPE_MODE.__enter__()
 
 
 def main(argv=None) -> int:

@@ -95,9 +95,11 @@ class HostTaint(TorchFunctionMode):
             taint = False
         else:
             taint = any(self.is_tainted(t) for t in inputs)
-        if taint:
-            for tensor in _tensors(result):
+        for tensor in _tensors(result):
+            if taint:
                 self._mark(tensor)
+            else:  # a move to the run device of a tensor already there returns the tensor itself
+                self.tainted.pop(id(tensor), None)
         return result
 
     def check(self, where: str, values) -> None:

@@ -56,7 +56,7 @@ def sbatch_directives(template: str) -> list:
     return options
 
 
-@pytest.mark.parametrize("template", TEMPLATES)
+@pytest.mark.parametrize("template", TEMPLATES + ["slurm/quatro_aligner.sh"])
 def test_template_requeues_on_signal_and_logs_per_job(template):
     options = sbatch_directives(template)
     names = [o.split("=")[0] for o in options]
