@@ -54,7 +54,11 @@ class RunConfig:
 class ParallelConfig:
     tensor: int = 1                 # tensor-parallel size
     pipeline: int = 1               # pipeline-parallel size (data parallel = world / (tensor*pipeline))
-    micro_batch_size: int = 64      # sequences per micro-batch in forward/backward
+    micro_batch_size: int = 64      # sequences per micro-batch in forward/backward (padded to the batch width)
+    # Token budget per micro-batch (0/None: off, micro_batch_size applies): rows sorted by length,
+    # binned so that rows x longest row <= budget, each micro-batch trimmed to its longest row.
+    max_tokens_per_micro_batch: Optional[int] = None
+    sequence_packing: bool = False  # THD packing of each budget micro-batch (GPU, Transformer Engine only)
 
 
 @dataclass
@@ -304,6 +308,13 @@ def _check_engine_sections(c: ExperimentConfig) -> None:
         raise ConfigError("trainer.grad_clip, weight_decay, checkpoint_every and eval_every must be >= 0")
     if e.num_problems < 0:
         raise ConfigError(f"eval.num_problems must be >= 0, got {e.num_problems}")
+    if p.max_tokens_per_micro_batch is not None and p.max_tokens_per_micro_batch != 0:
+        if p.max_tokens_per_micro_batch < 2:
+            raise ConfigError("parallel.max_tokens_per_micro_batch must be >= 2 tokens (or 0/null: off), "
+                              f"got {p.max_tokens_per_micro_batch}")
+    elif p.sequence_packing:
+        raise ConfigError("parallel.sequence_packing=true needs parallel.max_tokens_per_micro_batch > 0 "
+                          "(packing fills token-budget micro-batches)")
 
 
 KNOWN_SECTIONS = set(ENGINE_SECTIONS) | {"algorithm", "model", "task", "warmstart", "choices"}

@@ -18,8 +18,9 @@ from quatro_nemo.eval.passk import pass_at_k, power_of_two_ks, ucc_at_k, unique_
 from quatro_nemo.eval.similarity import cluster_near_duplicates
 from quatro_nemo.engine.rollout import model_inputs
 from quatro_nemo.megatron import parallel
+from quatro_nemo.megatron.batching import MicroBatching
 from quatro_nemo.megatron.compat import current_device
-from quatro_nemo.megatron.forward import compute_logprobs, micro_batch_rows
+from quatro_nemo.megatron.forward import compute_logprobs
 from quatro_nemo.megatron.sampling import SamplingParams
 
 EVAL_SEED_TAG = 7919  # separates the evaluation noise stream from the training one
@@ -72,7 +73,7 @@ def evaluate_policy(policy, backend, task, problems: Sequence[Dict[str, Any]], c
         rollout, responses = task.sample(backend, local_problems, mine, n, params)
         rewards = task.verifier.score_batch([p for p in local_problems for _ in range(n)], responses)
         batch = model_inputs(rollout, current_device())
-        _, entropy = compute_logprobs(policy, batch, micro_batch_rows(len(responses), cfg.parallel.micro_batch_size))
+        _, entropy = compute_logprobs(policy, batch, MicroBatching.from_parallel_config(cfg.parallel))
         mask = rollout.response_mask.float().to(entropy.device)
         entropy_sum, token_count = float((entropy * mask).sum()), float(mask.sum())
         for j, problem in enumerate(local_problems):

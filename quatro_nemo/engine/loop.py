@@ -29,7 +29,7 @@ import socket
 import sys
 import time
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List
 
 import torch
@@ -48,7 +48,8 @@ from quatro_nemo.engine.task import Task, build_task
 from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel, training
 from quatro_nemo.megatron.compat import current_device
-from quatro_nemo.megatron.forward import compute_logprobs, micro_batch_rows, train_step_forward_backward
+from quatro_nemo.megatron.batching import MicroBatching
+from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
 from quatro_nemo.megatron.models import build_model
 from quatro_nemo.megatron.quiet import quiet_library_warnings
 from quatro_nemo.megatron.checkpoint import load_full_state_dict
@@ -167,12 +168,11 @@ def select_device(device: str) -> None:
 
 
 def update_policy(policy_ddp, optimizer, batch: Dict[str, torch.Tensor], spec, algo_cfg, trainer,
-                  rows_per_mini: int, micro_batch_size: int, optimizer_steps_done: int) -> List[Dict[str, float]]:
+                  rows_per_mini: int, batching: MicroBatching, optimizer_steps_done: int) -> List[Dict[str, float]]:
     """K inner loops over one rollout batch (step 6): each mini-batch of `rows_per_mini` local rows
     is one optimizer step. Returns each update's metrics (loss metrics, grad_norm, lr)."""
     loss_name = ALGORITHMS[spec.name][1]
     updates: List[Dict[str, float]] = []
-    micro = micro_batch_rows(rows_per_mini, micro_batch_size)
     for _inner in range(trainer.inner_loops):
         for start in range(0, batch["tokens"].shape[0], rows_per_mini):
             mini = slice_batch(batch, slice(start, start + rows_per_mini))
@@ -181,12 +181,71 @@ def update_policy(policy_ddp, optimizer, batch: Dict[str, torch.Tensor], spec, a
             lr = training.warmup_learning_rate(trainer.lr, trainer.lr_warmup_steps, optimizer_steps_done)
             training.set_learning_rate(optimizer, lr)
             training.zero_gradients(policy_ddp, optimizer)
-            metrics = train_step_forward_backward(policy_ddp, mini, loss_name, algo_cfg, micro)
+            metrics = train_step_forward_backward(policy_ddp, mini, loss_name, algo_cfg, batching)
             metrics["grad_norm"] = training.optimizer_step(policy_ddp, optimizer)
             metrics["lr"] = lr
             optimizer_steps_done += 1
             updates.append(metrics)
     return updates
+
+
+def build_training_state(policy, trainer, distributed_optimizer: bool):
+    """(megatron's DDP around ``policy``, megatron's (distributed) optimizer with the
+    ``trainer.*`` settings). Shared by :func:`train` and ``benchmarks/bench_step.py``."""
+    policy_ddp = training.wrap_for_training(policy, distributed_optimizer=distributed_optimizer)
+    optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
+        lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
+        adam_beta2=trainer.adam_beta2, adam_eps=trainer.adam_eps, grad_clip=trainer.grad_clip))
+    return policy_ddp, optimizer
+
+
+@dataclass
+class RolloutLearning:
+    """What :func:`learn_from_rollout` returns: the estimator's output (``advantages`` [B, N] and
+    its metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], and the
+    ``time.perf_counter()`` at which the log-prob passes ended."""
+
+    advantages: Any
+    metrics: List[Dict[str, float]]
+    old_entropy: torch.Tensor
+    t_logprobs: float
+
+
+def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
+                       rewards: torch.Tensor, shaped: torch.Tensor, slots: List[int],
+                       optimizer_steps_done: int) -> RolloutLearning:
+    """Steps 4-6 of a training step on this rank's rollout, shared by :func:`train` and
+    ``benchmarks/bench_step.py`` (which replays saved rollouts through it).
+
+    ``rewards`` / ``shaped``: the global [B, N] verifier rewards and those after length shaping;
+    ``slots``: this DP rank's global prompt positions (:func:`local_prompt_slots`). Collective over
+    all ranks.
+    """
+    n = cfg.rollout.n
+    batching = MicroBatching.from_parallel_config(cfg.parallel)
+
+    # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
+    advantage_out = spec.advantage_estimator(shaped, cfg.algorithm)
+    advantages = advantage_out.advantages[slots].reshape(-1)
+
+    # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
+    # DAPO's dynamic sampling filters on correctness (the raw verifier rewards, Eq. 11), not on
+    # the length-shaped rewards the advantages use (Eq. 13).
+    group_weights = kept_groups(rewards, cfg.algorithm)[slots].repeat_interleave(n)
+    batch = make_batch(rollout, advantages, group_weights)
+    with torch.no_grad():
+        batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, batching)
+        if reference is not None:
+            batch["ref_logprobs"], _ = compute_logprobs(reference, batch, batching)
+    t_logprobs = time.perf_counter()
+
+    # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
+    rows_per_mini = (cfg.trainer.mini_batch_prompts or cfg.trainer.prompts_per_step) // parallel.dp_size() * n
+    update_metrics = update_policy(policy_ddp, optimizer, batch, spec, cfg.algorithm, cfg.trainer,
+                                   rows_per_mini, batching, optimizer_steps_done)
+    if update_metrics:
+        backend.update_weights()
+    return RolloutLearning(advantage_out, update_metrics, old_entropy, t_logprobs)
 
 
 def train(cfg: ExperimentConfig) -> Dict[str, Any]:
@@ -221,10 +280,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     # The rollout engine first: a colocated vLLM engine checks at start-up that its share of GPU
     # memory is free, which it no longer is once gradient buffers and optimizer state exist.
     backend = build_rollout_backend(cfg, policy, model_cfg, task)
-    policy_ddp = training.wrap_for_training(policy, distributed_optimizer=scale.distributed_optimizer)
-    optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
-        lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
-        adam_beta2=trainer.adam_beta2, adam_eps=trainer.adam_eps, grad_clip=trainer.grad_clip))
+    policy_ddp, optimizer = build_training_state(policy, trainer, scale.distributed_optimizer)
     reference = None
     if getattr(cfg.algorithm, "beta", 0.0) > 0:
         if not scale.reference_on_gpu:
@@ -264,7 +320,6 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         evaluate(0)   # the base model's held-out numbers, the report's "before" column
 
     slots = local_prompt_slots(batch_size, mini_batch_size, dp_rank, dp)
-    rows_per_mini = mini_batch_size // dp * rollout_cfg.n
     progress = _progress_bar(cfg, rank0, start_step)
     for step in range(start_step, trainer.steps):
         t_start = time.perf_counter()
@@ -293,29 +348,12 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         shaped = global_rewards(local_rewards + length_penalty(rollout, cfg.algorithm, rollout_cfg.max_new_tokens),
                                 batch_size, mini_batch_size)
 
-        # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
-        advantage_out = spec.advantage_estimator(shaped, cfg.algorithm)
-        advantages = advantage_out.advantages[slots].reshape(-1)
-
-        # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
-        # DAPO's dynamic sampling filters on correctness (the raw verifier rewards, Eq. 11), not on
-        # the length-shaped rewards the advantages use (Eq. 13).
-        group_weights = kept_groups(rewards, cfg.algorithm)[slots].repeat_interleave(rollout_cfg.n)
-        batch = make_batch(rollout, advantages, group_weights)
-        with torch.no_grad():
-            micro = micro_batch_rows(batch["tokens"].shape[0], cfg.parallel.micro_batch_size)
-            batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, micro)
-            if reference is not None:
-                batch["ref_logprobs"], _ = compute_logprobs(reference, batch, micro)
-        t_logprobs = time.perf_counter()
-
-        # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
-        update_metrics = update_policy(policy_ddp, optimizer, batch, spec, cfg.algorithm, trainer,
-                                       rows_per_mini, cfg.parallel.micro_batch_size, optimizer_steps_done)
+        # 4-6. Advantages, log pi_old / log pi_ref, K inner loops of optimizer steps.
+        learned = learn_from_rollout(cfg, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
+                                     rewards, shaped, slots, optimizer_steps_done)
+        advantage_out, update_metrics, old_entropy = learned.advantages, learned.metrics, learned.old_entropy
         optimizer_steps_done += len(update_metrics)
-        if update_metrics:
-            backend.update_weights()
-        t_update = time.perf_counter()
+        t_logprobs, t_update = learned.t_logprobs, time.perf_counter()
 
         # 7. Metrics (identical on every rank), checkpoint, evaluation.
         metrics = _step_metrics(rewards, advantage_out.metrics, update_metrics, rollout, old_entropy)

@@ -189,10 +189,19 @@ class Workload:
     mini_batch_prompts: Optional[int] = None  # prompts per optimizer step (None: all)
     inner_loops: int = 1
     uses_reference: bool = True               # beta > 0: pi_ref log-probs each step
+    max_tokens_per_micro_batch: Optional[int] = None  # parallel.max_tokens_per_micro_batch (None/0: rows)
 
     @property
     def sequence_length(self) -> int:
         return self.max_prompt_tokens + self.max_new_tokens
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Most tokens one micro-batch computes: the padded budget (a row longer than the budget
+        runs alone, so at most one full-length row), else ``micro_batch_size`` full-length rows."""
+        if self.max_tokens_per_micro_batch:
+            return max(self.max_tokens_per_micro_batch, self.sequence_length)
+        return self.sequence_length * self.micro_batch_size
 
 
 @dataclass
@@ -496,9 +505,11 @@ def check_layout(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: S
     if work.prompts_per_step % mini:
         raise PlanError(f"trainer.mini_batch_prompts={mini} does not divide trainer.prompts_per_step="
                         f"{work.prompts_per_step}")
-    if (mini * work.n) % (dp * work.micro_batch_size):
-        raise PlanError(f"an optimizer step's {mini * work.n} sequences (trainer.mini_batch_prompts x rollout.n) "
-                        f"do not split into data_parallel={dp} x parallel.micro_batch_size={work.micro_batch_size}")
+    if mini % dp:
+        raise PlanError(f"trainer.mini_batch_prompts={mini} is not divisible by data_parallel={dp}")
+    if work.max_tokens_per_micro_batch is not None and 0 < work.max_tokens_per_micro_batch < 2:
+        raise PlanError(f"parallel.max_tokens_per_micro_batch={work.max_tokens_per_micro_batch} must be >= 2 "
+                        "(or 0/null: off)")
     if work.prompts_per_step % dp:
         raise PlanError(f"trainer.prompts_per_step={work.prompts_per_step} is not divisible by data_parallel={dp}")
     if cluster.gpus_per_node % vllm.tensor_parallel:
@@ -542,7 +553,7 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: Sc
     notes = check_engine_support(m, layout, scale, vllm, runtime)
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     world = cluster.nodes * cluster.gpus_per_node
-    s, b = work.sequence_length, work.micro_batch_size
+    s, tokens_mb = work.sequence_length, work.tokens_per_micro_batch
     on_gpu = runtime.device == "cuda"
     uses_vllm = runtime.rollout_backend == "vllm"
     if scale.distributed_optimizer and dp == 1:
@@ -563,18 +574,20 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: Sc
                                                     scale.distributed_optimizer, dp)
 
     # Activations on the first stage (the one with the most micro-batches in flight), in the
-    # parameters' dtype; without Transformer Engine megatron's local attention stores s x s scores.
+    # parameters' dtype, for the largest micro-batch: tokens_mb tokens (the token budget, or
+    # micro_batch_size full rows); without Transformer Engine megatron's local attention stores
+    # s x s scores. Micro-batches per optimizer step: with a budget, at full length (an upper bound).
     mini = work.mini_batch_prompts or work.prompts_per_step
-    microbatches = mini * work.n // (dp * b)
+    microbatches = math.ceil(mini * work.n // dp * s / tokens_mb)
     in_flight = min(pp, microbatches)
     layers = m.num_layers // pp
     act_bytes = m.bytes_per_param
-    full_layer = layer_activation_elements(m, s * b, tp, runtime.transformer_engine, s) * act_bytes
+    full_layer = layer_activation_elements(m, tokens_mb, tp, runtime.transformer_engine, s) * act_bytes
     if layout.full_recompute:
-        activations = in_flight * layers * (s * b * m.hidden_size * act_bytes) + full_layer
+        activations = in_flight * layers * (tokens_mb * m.hidden_size * act_bytes) + full_layer
     else:
         activations = in_flight * layers * full_layer
-    logits = s * b * (m.vocab_size / tp) * LOSS_BYTES_PER_LOGIT + s * b * m.hidden_size * act_bytes
+    logits = tokens_mb * (m.vocab_size / tp) * LOSS_BYTES_PER_LOGIT + tokens_mb * m.hidden_size * act_bytes
 
     total = total_parameter_count(m)
     reference_on_device = scale.reference_on_gpu or not on_gpu  # on the CPU everything is in RAM
@@ -644,7 +657,8 @@ def check_plan(plan: MemoryPlan) -> MemoryPlan:
             f"{plan.gpu_memory_gb:g} (weights {plan.weights_gb:.1f}, gradients {plan.grads_gb:.1f}, optimizer "
             f"{plan.optimizer_gb:.1f}, activations {plan.activations_gb:.1f}, logits {plan.logits_gb:.1f}, "
             f"reference {plan.reference_gb:.1f}, vLLM {plan.vllm_while_training_gb:.1f}): "
-            "lower parallel.micro_batch_size, set model.extra.recompute_granularity=full, raise parallel.tensor or "
+            "lower parallel.micro_batch_size or parallel.max_tokens_per_micro_batch, set "
+            "model.extra.recompute_granularity=full, raise parallel.tensor or "
             "parallel.pipeline or cluster.nodes, or set scale.distributed_optimizer=true / "
             "scale.reference_on_gpu=false / vllm.sleep_between_phases=true")
     if not plan.uses_vllm:
@@ -673,6 +687,7 @@ def plan_from_sections(model: Mapping[str, object], parallel: Mapping[str, objec
         prompts_per_step=int(trainer["prompts_per_step"]), n=int(rollout["n"]),
         max_prompt_tokens=scale_cfg.max_prompt_tokens, max_new_tokens=int(rollout["max_new_tokens"]),
         micro_batch_size=int(parallel["micro_batch_size"]),
+        max_tokens_per_micro_batch=parallel.get("max_tokens_per_micro_batch") or None,
         mini_batch_prompts=trainer.get("mini_batch_prompts"), inner_loops=int(trainer.get("inner_loops", 1)),
         uses_reference=float(algorithm.get("beta", 0.0) or 0.0) > 0,
     )

@@ -52,6 +52,11 @@ class RolloutBatch:
         return self.sample.response_mask
 
     @property
+    def lengths(self) -> torch.Tensor:
+        """``[S]`` real length of each row (prompt + response tokens); the rest is padding."""
+        return self.sample.prompt_lengths + self.sample.response_lengths
+
+    @property
     def position_ids(self) -> torch.Tensor:
         """``[S, L]``: ``0 .. L-1`` on every row."""
         rows, length = self.sample.tokens.shape
@@ -152,6 +157,8 @@ def pad_to_length(sample: SampleOutput, length: int, pad_id: int) -> SampleOutpu
 
 
 def model_inputs(rollout: RolloutBatch, device: torch.device) -> Dict[str, torch.Tensor]:
-    """``tokens`` and ``position_ids`` of a rollout on the run's device (rollout book-keeping
-    lives on the CPU; everything that reaches the model or a collective is on ``device``)."""
-    return {"tokens": rollout.tokens.to(device), "position_ids": rollout.position_ids.to(device)}
+    """``tokens``, ``position_ids`` and each row's real ``lengths`` (which the token-budget
+    micro-batches trim to) of a rollout on the run's device (rollout book-keeping lives on the
+    CPU; everything that reaches the model or a collective is on ``device``)."""
+    return {"tokens": rollout.tokens.to(device), "position_ids": rollout.position_ids.to(device),
+            "lengths": rollout.lengths.to(device)}

@@ -2,10 +2,13 @@
 
 Both take this DP rank's part of the batch, a dict laid out as in ``docs/interfaces.md``
 (``tokens``, ``position_ids`` [S, L]; ``response_mask``, ``old_logprobs``, ``ref_logprobs``
-[S, T]; ``advantages`` [S]), split it into micro-batches of ``micro_batch_size`` rows and run
-megatron-core's pipeline schedule (``get_forward_backward_func()``: no pipelining at PP=1, 1F1B
-otherwise). Attention is causal (``attention_mask=None``); right padding never influences earlier
-positions, and padded positions are masked out of every loss by ``response_mask``.
+[S, T]; ``advantages``, optionally ``lengths`` [S]), split it into micro-batches as a
+:class:`~quatro_nemo.megatron.batching.MicroBatching` says (rows per micro-batch, or a
+padded-token budget with rows sorted by length and each micro-batch trimmed to its longest row,
+optionally packed into THD sequences on Transformer Engine) and run megatron-core's pipeline
+schedule (``get_forward_backward_func()``: no pipelining at PP=1, 1F1B otherwise). Attention is
+causal (``attention_mask=None``); right padding never influences earlier positions, and padded
+positions are masked out of every loss by ``response_mask``.
 
 Gradients. Training takes the model wrapped in megatron's ``DistributedDataParallel``
 (:func:`quatro_nemo.megatron.training.wrap_for_training`): backward accumulates into its float32
@@ -17,14 +20,26 @@ Log-probs take the model with or without the wrapper.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from quatro_nemo.algos import get_policy_loss
 from quatro_nemo.algos.aggregation import LossNormalizer
-from quatro_nemo.megatron.logprobs import token_logprobs_and_entropy
+from quatro_nemo.megatron.batching import (
+    MicroBatch,
+    MicroBatching,
+    gather_micro_batch,
+    pack_micro_batch,
+    plan_micro_batches,
+    row_lengths,
+    scatter_rows,
+    with_empty_micro_batches,
+)
+from quatro_nemo.megatron.compat import current_device
+from quatro_nemo.megatron.logprobs import micro_batch_logprobs_and_entropy
+from quatro_nemo.megatron.models import transformer_engine_available
 from quatro_nemo.megatron.loss import (
     broadcast_from_last_stage,
     global_loss_normalizer,
@@ -35,69 +50,119 @@ from quatro_nemo.megatron.loss import (
 
 TRAIN_KEYS = ("tokens", "position_ids", "response_mask", "old_logprobs", "advantages")
 OPTIONAL_TRAIN_KEYS = ("ref_logprobs",)
+LOGPROB_KEYS = ("tokens", "position_ids")
 
 
-def micro_batch_rows(num_rows: int, at_most: int) -> int:
-    """The largest micro-batch size <= `at_most` that divides `num_rows` (the loss path is exact for
-    any split, so this only trades memory for speed)."""
-    for size in range(min(at_most, num_rows), 0, -1):
-        if num_rows % size == 0:
-            return size
-    raise ValueError(f"cannot split {num_rows} rows into micro-batches of at most {at_most}")
+def split_micro_batches(batch: Mapping[str, torch.Tensor], batching: Union[MicroBatching, int],
+                        keys: Tuple[str, ...], equal_over_data_parallel: bool = False
+                        ) -> Tuple[List[MicroBatch], List[Dict[str, object]]]:
+    """This rank's micro-batches: (the plan, the tensors of each micro-batch) (:mod:`.batching`).
+
+    ``batching``: a :class:`MicroBatching`, or an int = rows per micro-batch (the padded path).
+    ``keys``: the batch entries each micro-batch carries (present ones), plus ``lengths``.
+    ``equal_over_data_parallel``: append empty micro-batches up to the largest count over the
+    data-parallel group (one MAX all-reduce), so every DP rank runs the same number of schedule
+    steps and hence the same collectives. Ranks of one pipeline / tensor group hold the same rows
+    and compute the same plan by themselves.
+    """
+    from megatron.core import parallel_state as ps
+
+    if isinstance(batching, int):
+        batching = MicroBatching(rows=batching)
+    batch = dict(batch, lengths=row_lengths(batch))
+    plan = plan_micro_batches(batch, batching)
+    dp_group = ps.get_data_parallel_group()
+    if equal_over_data_parallel and dist.get_world_size(dp_group) > 1:
+        count = torch.tensor([len(plan)], dtype=torch.long, device=current_device())
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
+        plan = with_empty_micro_batches(plan, int(count.item()))
+    if not plan:
+        raise ValueError("no rows to split into micro-batches")
+    if batching.pack and not transformer_engine_available():
+        raise ValueError("parallel.sequence_packing=true needs Transformer Engine (THD attention); megatron's "
+                         "local layer spec has none: use parallel.max_tokens_per_micro_batch alone")
+    micro_batches = []
+    for micro in plan:
+        part = gather_micro_batch(batch, micro, tuple(keys) + ("lengths",))
+        micro_batches.append(pack_micro_batch(part) if batching.pack else part)
+    return plan, micro_batches
 
 
-def split_micro_batches(batch: Mapping[str, torch.Tensor], micro_batch_size: int,
-                        keys: Tuple[str, ...]) -> List[Dict[str, torch.Tensor]]:
-    """Consecutive row slices of ``batch[key]`` for ``key`` in ``keys`` (present ones)."""
-    num_rows = batch["tokens"].shape[0]
-    if micro_batch_size < 1 or num_rows % micro_batch_size != 0:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} must divide this rank's {num_rows} sequences"
-        )
-    for key in keys:
-        if key in batch and batch[key].shape[0] != num_rows:
-            raise ValueError(f"batch[{key!r}] has {batch[key].shape[0]} rows, tokens has {num_rows}")
-    return [
-        {key: batch[key][start:start + micro_batch_size] for key in keys if key in batch}
-        for start in range(0, num_rows, micro_batch_size)
-    ]
+def _schedule_shape(micro_batch: Mapping[str, object]) -> Tuple[int, int]:
+    """(sequence length, rows) the model sees for ``micro_batch``: its packed length x 1 when packed."""
+    if "packed_layout" in micro_batch:
+        return micro_batch["packed_layout"].total, 1
+    rows, width = micro_batch["tokens"].shape
+    return width, rows
 
 
-def _run_schedule(model, micro_batches: List[Dict[str, torch.Tensor]], make_loss, forward_only: bool):
-    """Run megatron's schedule over ``micro_batches``; returns the last stage's loss outputs."""
+def _model_forward(model, micro_batch: Mapping[str, object]) -> torch.Tensor:
+    """One stage's forward of ``micro_batch``: row layout, or packed THD with ``PackedSeqParams``."""
+    layout = micro_batch.get("packed_layout")
+    if layout is None:
+        return model(micro_batch["tokens"], micro_batch["position_ids"], None)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    device = micro_batch["packed_tokens"].device
+    cu_seqlens, cu_seqlens_padded = layout.cu_seqlens.to(device), layout.cu_seqlens_padded.to(device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
+                             max_seqlen_q=layout.max_seqlen, max_seqlen_kv=layout.max_seqlen)
+    return model(micro_batch["packed_tokens"], micro_batch["packed_position_ids"], None, packed_seq_params=params)
+
+
+def _run_schedule(model, micro_batches: List[Dict[str, object]], make_loss, forward_only: bool):
+    """Run megatron's schedule over ``micro_batches``; returns the last stage's loss outputs.
+
+    With PP > 1 the stages exchange activations of each micro-batch's own shape: the model's
+    config must have ``variable_seq_lengths=True`` (``models.build_model`` sets it at PP > 1),
+    which sends every activation's shape ahead of it; ``seq_length`` / ``micro_batch_size``
+    below are then only the first micro-batch's (megatron ignores them).
+    """
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    shapes = {_schedule_shape(micro_batch) for micro_batch in micro_batches}
+    if (len(shapes) > 1 and ps.get_pipeline_model_parallel_world_size() > 1
+            and not get_model_config(model).variable_seq_lengths):
+        raise ValueError(f"micro-batches of {len(shapes)} shapes under pipeline parallelism need "
+                         "TransformerConfig(variable_seq_lengths=True) (quatro_nemo.megatron.models.build_model "
+                         "sets it when PP > 1)")
 
     def forward_step(data_iterator: Iterator, step_model):
         micro_batch = next(data_iterator)
-        output = step_model(micro_batch["tokens"], micro_batch["position_ids"], None)
-        return output, make_loss(micro_batch)
+        return _model_forward(step_model, micro_batch), make_loss(micro_batch)
 
-    tokens = micro_batches[0]["tokens"]
+    seq_length, rows = _schedule_shape(micro_batches[0])
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
         model=model,
         num_microbatches=len(micro_batches),
-        seq_length=tokens.shape[1],
-        micro_batch_size=tokens.shape[0],
+        seq_length=seq_length,
+        micro_batch_size=rows,
         forward_only=forward_only,
     )
 
 
-def compute_logprobs(model, batch: Mapping[str, torch.Tensor], micro_batch_size: int
+def compute_logprobs(model, batch: Mapping[str, torch.Tensor], batching: Union[MicroBatching, int]
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Forward-only log-probs and entropies ``[S, T]`` (float32) of this DP rank's batch.
+    """Forward-only log-probs and entropies ``[S, T]`` (float32) of this DP rank's batch, in its
+    row order (0 past each micro-batch's width when trimmed; see :mod:`.batching`).
 
+    ``batching``: a :class:`MicroBatching` or rows per micro-batch. No data-parallel collective
+    runs here, so DP ranks may hold different numbers of rows (evaluation's last rank).
     The result is available on every rank of the model-parallel group (TP-complete on each TP
     rank of the last stage, then broadcast over the pipeline group).
     """
     from megatron.core import parallel_state as ps
 
-    micro_batches = split_micro_batches(batch, micro_batch_size, ("tokens", "position_ids"))
+    plan, micro_batches = split_micro_batches(batch, batching, LOGPROB_KEYS)
 
     def make_loss(micro_batch):
         def loss_func(logits):
-            logprobs, entropy = token_logprobs_and_entropy(logits, micro_batch["tokens"])
+            logprobs, entropy = micro_batch_logprobs_and_entropy(logits, micro_batch)
             return (logprobs.sum() * 0.0, unit_count(logprobs),
                     {"logprobs": logprobs.detach(), "entropy": entropy.detach()})
         return loss_func
@@ -108,8 +173,8 @@ def compute_logprobs(model, batch: Mapping[str, torch.Tensor], micro_batch_size:
     tokens = batch["tokens"]
     shape = (tokens.shape[0], tokens.shape[1] - 1)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
-        logprobs = torch.cat([out["logprobs"] for out in outputs]).contiguous()
-        entropy = torch.cat([out["entropy"] for out in outputs]).contiguous()
+        logprobs = scatter_rows([out["logprobs"] for out in outputs], plan, *shape)
+        entropy = scatter_rows([out["entropy"] for out in outputs], plan, *shape)
     else:
         logprobs = torch.empty(shape, dtype=torch.float32, device=tokens.device)
         entropy = torch.empty(shape, dtype=torch.float32, device=tokens.device)
@@ -138,7 +203,7 @@ def train_step_forward_backward(
     batch: Mapping[str, torch.Tensor],
     policy_loss_name: str,
     algo_config,
-    micro_batch_size: int,
+    batching: Union[MicroBatching, int],
     normalizer: Optional[LossNormalizer] = None,
     finalize_grads: bool = True,
 ) -> Dict[str, float]:
@@ -149,7 +214,8 @@ def train_step_forward_backward(
         batch: this DP rank's rows (``TRAIN_KEYS``, optionally ``ref_logprobs``).
         policy_loss_name: a name in the ``quatro_nemo.algos`` policy-loss registry.
         algo_config: that loss's typed config.
-        micro_batch_size: rows per micro-batch (must divide the local batch).
+        batching: a :class:`MicroBatching` (rows, or a token budget), or rows per micro-batch.
+            Every DP rank runs the same number of micro-batches (empty ones pad the shorter plans).
         normalizer: global counts of the optimizer step's batch; default: counted from this
             batch's ``response_mask`` and all-reduced over DP (:func:`global_loss_normalizer`).
             Pass it explicitly when one optimizer step spans several calls.
@@ -168,7 +234,8 @@ def train_step_forward_backward(
     policy_loss = get_policy_loss(policy_loss_name)
     if normalizer is None:
         normalizer = global_loss_normalizer(batch["response_mask"])
-    micro_batches = split_micro_batches(batch, micro_batch_size, TRAIN_KEYS + OPTIONAL_TRAIN_KEYS)
+    _, micro_batches = split_micro_batches(batch, batching, TRAIN_KEYS + OPTIONAL_TRAIN_KEYS,
+                                           equal_over_data_parallel=True)
 
     def make_loss(micro_batch):
         return make_loss_func(policy_loss, algo_config, normalizer, micro_batch)

@@ -129,3 +129,20 @@ def token_logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor) -> Tu
     ``log p(tokens[t+1] | tokens[:t+1])`` and the entropy of that next-token distribution.
     """
     return vocab_parallel_logprobs_and_entropy(logits[:, :-1, :], tokens[:, 1:])
+
+
+def micro_batch_logprobs_and_entropy(logits: torch.Tensor, micro_batch) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs_and_entropy` of one micro-batch, in its row layout ``[s, w - 1]``.
+
+    A packed micro-batch (``packed_layout`` set by ``batching.pack_micro_batch``) has logits
+    ``[1, total, V/TP]`` over its packed tokens; the packed next-token values are mapped back to
+    rows with ``batching.unpack_rows`` (0 past each row's length).
+    """
+    layout = micro_batch.get("packed_layout")
+    if layout is None:
+        return token_logprobs_and_entropy(logits, micro_batch["tokens"])
+    from quatro_nemo.megatron.batching import unpack_rows
+
+    logprobs, entropy = token_logprobs_and_entropy(logits, micro_batch["packed_tokens"])
+    num_columns = micro_batch["tokens"].shape[1] - 1
+    return unpack_rows(logprobs, layout, num_columns), unpack_rows(entropy, layout, num_columns)

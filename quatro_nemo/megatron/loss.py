@@ -53,15 +53,16 @@ def make_loss_func(
     """Loss closure for one micro-batch, run by megatron's schedule on the last pipeline stage.
 
     ``policy_loss`` has the registry signature of ``docs/interfaces.md``. The closure maps the
-    model's vocab-parallel logits ``[s, L, V/TP]`` to TP-complete log-probs and entropies, applies
-    the loss and returns ``(loss, 1, metrics)``: megatron's three-tuple form, whose middle count
+    model's vocab-parallel logits ``[s, w, V/TP]`` (or ``[1, total, V/TP]`` when packed) to
+    TP-complete log-probs and entropies in the micro-batch's row layout, applies the loss and
+    returns ``(loss, 1, metrics)``: megatron's three-tuple form, whose middle count
     megatron only accumulates under ``calculate_per_token_loss`` (see the module docstring).
     ``metrics`` holds detached 0-dim tensors, with the micro-batch's loss share under ``"loss"``.
     """
-    from quatro_nemo.megatron.logprobs import token_logprobs_and_entropy
+    from quatro_nemo.megatron.logprobs import micro_batch_logprobs_and_entropy
 
     def loss_func(logits: torch.Tensor):
-        logprobs, entropy = token_logprobs_and_entropy(logits, micro_batch["tokens"])
+        logprobs, entropy = micro_batch_logprobs_and_entropy(logits, micro_batch)
         loss, metrics = policy_loss(
             logprobs,
             micro_batch["old_logprobs"],

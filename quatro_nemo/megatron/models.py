@@ -186,10 +186,20 @@ def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
 
 
 def build_transformer_config(cfg: ModelConfig):
-    """megatron-core TransformerConfig for ``cfg`` under the current parallel layout."""
+    """megatron-core TransformerConfig for ``cfg`` under the current parallel layout.
+
+    Under pipeline parallelism micro-batches differ in shape (token budgets, packing, a shorter
+    last slice), so the stages send each activation's shape ahead of it
+    (``variable_seq_lengths``, megatron's p2p shape exchange). megatron-core refuses that flag
+    with its default MoE token dispatcher ("allgather") even for a dense model, so the dispatcher
+    is set to "alltoall" with it; these models have no experts, so no dispatcher is ever built.
+    """
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = _transformer_config_kwargs(cfg)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     kwargs.update(cfg.extra)
     return TransformerConfig(**kwargs)
 

@@ -24,6 +24,13 @@ def test_group_choice_and_key_overrides_from_the_command_line():
     assert cfg.algorithm.delta == 0.05 and cfg.algorithm.log_ratio == "seq_mean"
 
 
+def test_token_budget_is_typed_and_off_by_default():
+    assert load_config([]).parallel.max_tokens_per_micro_batch is None
+    cfg = load_config(["parallel.max_tokens_per_micro_batch=4096", "parallel.sequence_packing=true"])
+    assert cfg.parallel.max_tokens_per_micro_batch == 4096 and cfg.parallel.sequence_packing is True
+    assert load_config(["parallel.max_tokens_per_micro_batch=0"]).parallel.max_tokens_per_micro_batch == 0
+
+
 def test_split_arguments_separates_primary_groups_and_keys():
     primary, groups, keys = split_arguments(["config=quatro_7b", "algorithm=dapo", "trainer.lr=1e-6"])
     assert (primary, groups, keys) == ("quatro_7b", {"algorithm": "dapo"}, ["trainer.lr=1e-6"])
@@ -40,6 +47,9 @@ def test_split_arguments_separates_primary_groups_and_keys():
     (["eval.top_p=0"], "eval.top_p"),
     (["trainer.prompts_per_step=32", "trainer.mini_batch_prompts=5"], "trainer.mini_batch_prompts"),
     (["task.num_trainx=3"], "task.num_trainx"),
+    (["parallel.max_tokens_per_micro_batch=1"], "parallel.max_tokens_per_micro_batch"),
+    (["parallel.max_tokens_per_micro_batch=-5"], "parallel.max_tokens_per_micro_batch"),
+    (["parallel.sequence_packing=true"], "parallel.sequence_packing"),
     (["config=does_not_exist"], "does_not_exist.yaml"),
     (["no_equals_sign"], "no_equals_sign"),
 ])

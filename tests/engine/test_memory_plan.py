@@ -115,8 +115,10 @@ def test_refuses_layouts_naming_the_setting():
         plan_memory(QWEN25_1P5B, Layout(4, 1), cluster, scale, vllm, _work())
     with pytest.raises(PlanError, match="parallel.pipeline=3 does not divide model.num_layers=28"):
         plan_memory(QWEN25_7B, Layout(2, 3), cluster, scale, vllm, _work())
-    with pytest.raises(PlanError, match="parallel.micro_batch_size=3"):
-        plan_memory(QWEN25_7B, Layout(2, 1), cluster, scale, vllm, _work(micro_batch_size=3))
+    with pytest.raises(PlanError, match="trainer.mini_batch_prompts=12 is not divisible by data_parallel=8"):
+        plan_memory(QWEN25_1P5B, Layout(1, 1), cluster, scale, vllm, _work(mini_batch_prompts=12, prompts_per_step=48))
+    with pytest.raises(PlanError, match="parallel.max_tokens_per_micro_batch=1"):
+        plan_memory(QWEN25_7B, Layout(2, 1), cluster, scale, vllm, _work(max_tokens_per_micro_batch=1))
     # 7B on TP=1 with a plain optimizer and no recomputation cannot fit 80 GB.
     too_big = plan_memory(QWEN25_7B, Layout(1, 1), cluster, ScaleConfig(distributed_optimizer=False),
                           VllmConfig(tensor_parallel=1), _work(micro_batch_size=4))
@@ -131,6 +133,35 @@ def test_refuses_layouts_naming_the_setting():
                           VllmConfig(tensor_parallel=1, gpu_memory_utilization=0.2), _work())
     with pytest.raises(PlanError, match="KV cache .* cannot hold one full-length sequence"):
         check_plan(tiny_kv)
+
+
+def test_micro_batch_size_needs_no_divisor():
+    # 256 x 8 sequences over DP=4 (TP=2): 512 per rank in micro-batches of 3 -> ceil(512 / 3) = 171.
+    plan = plan_memory(QWEN25_7B, Layout(2, 1), ClusterConfig(), ScaleConfig(), VllmConfig(tensor_parallel=2),
+                       _work(micro_batch_size=3))
+    assert plan.num_microbatches == 171
+
+
+def test_token_budget_plans_activations_and_logits_from_the_budget():
+    """A budget of b full-length rows' tokens plans exactly like b rows; a budget below one row
+    plans one full row (it runs alone)."""
+    args = (QWEN25_7B, Layout(2, 1, True), ClusterConfig(), ScaleConfig(), VllmConfig(tensor_parallel=2))
+    s = 512 + 3072
+
+    def plan(**work):
+        return plan_memory(*args, _work(**work))
+
+    rows2, rows1 = plan(micro_batch_size=2), plan(micro_batch_size=1)
+    budget = plan(micro_batch_size=64, max_tokens_per_micro_batch=2 * s)
+    assert (budget.activations_gb, budget.logits_gb) == (rows2.activations_gb, rows2.logits_gb)
+    assert budget.num_microbatches == rows2.num_microbatches
+    small = plan(micro_batch_size=64, max_tokens_per_micro_batch=1000)
+    assert (small.activations_gb, small.logits_gb) == (rows1.activations_gb, rows1.logits_gb)
+    # With flash attention (Transformer Engine) every activation term is linear in the tokens (one
+    # micro-batch in flight at PP=1), so 1.5 rows' worth of budget costs 1.5 x one row.
+    between = plan(max_tokens_per_micro_batch=3 * s // 2)
+    assert between.activations_gb == pytest.approx(1.5 * rows1.activations_gb)
+    assert between.logits_gb == pytest.approx(1.5 * rows1.logits_gb)
 
 
 def test_refuses_what_the_engine_cannot_run():

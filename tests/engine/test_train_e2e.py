@@ -160,3 +160,21 @@ def test_torchrun_tp2_pp2_dp2_give_the_first_step_of_one_process(tmp_path, tiny_
         assert got["reward/mean"] == reference["reward/mean"], name
         for key in ("loss", "grad_norm", "entropy", "policy/kl_ref"):
             assert got[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), (name, key)
+
+
+def test_token_budget_micro_batches_give_the_first_step_of_the_padded_run(tmp_path, tiny_args):
+    """The loop's call sites pass the token budget (old/ref log-probs, training, evaluation): the
+    same rollouts give the padded run's loss, gradient norm, entropy and held-out numbers."""
+    common = ["trainer.steps=1", "trainer.mini_batch_prompts=4"]
+    padded = str(tmp_path / "padded")
+    code, output = finish(run_train(tiny_args(padded, *common)))
+    assert code == 0, output
+    budget = str(tmp_path / "budget")
+    code, output = finish(run_train(tiny_args(budget, *common, "parallel.max_tokens_per_micro_batch=100")))
+    assert code == 0, output
+    reference, got = _first_step(padded), _first_step(budget)
+    assert got["reward/mean"] == reference["reward/mean"]
+    for key in ("loss", "grad_norm", "entropy", "policy/kl_ref", "policy/kl_old"):
+        assert got[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), key
+    evals = [[r for r in train_records(d) if r["kind"] == "eval"] for d in (padded, budget)]
+    assert [r["entropy"] for r in evals[1]] == pytest.approx([r["entropy"] for r in evals[0]], rel=1e-4)

@@ -50,3 +50,37 @@ def test_input_logits_are_not_modified_and_uniform_entropy_is_log_v():
     torch.testing.assert_close(entropy, torch.full((2, 3), float(torch.log(torch.tensor(8.0)))))
     torch.testing.assert_close(logprobs, torch.full((2, 3), -float(torch.log(torch.tensor(8.0)))))
     assert torch.equal(logits, before)
+
+
+def test_packed_micro_batch_logprobs_and_gradients_equal_the_row_layout():
+    """micro_batch_logprobs_and_entropy on THD-packed logits (rows concatenated, slots padded to
+    4) gives each row's float64 log-probs and entropies, and the same gradient to each row's
+    logits, as the row layout; 0 past each row's length. Row independence of the logits is what
+    THD attention provides on the GPU (not run here)."""
+    from quatro_nemo.megatron.batching import pack_micro_batch
+    from quatro_nemo.megatron.logprobs import micro_batch_logprobs_and_entropy
+
+    gen = torch.Generator().manual_seed(3)
+    lengths, width, vocab = torch.tensor([5, 2, 7]), 7, 11
+    tokens = torch.randint(1, vocab, (3, width), generator=gen)
+    tokens[torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)] = 0
+    row_logits = [(2.0 * torch.randn(int(n), vocab, generator=gen)).requires_grad_() for n in lengths]
+    micro = pack_micro_batch({"tokens": tokens, "lengths": lengths}, pad_to_multiple=4)
+    slots = micro["packed_layout"].cu_seqlens_padded.diff().tolist()
+    packed_logits = torch.cat([torch.cat([logits, torch.randn(slot - logits.shape[0], vocab, generator=gen)])
+                               for logits, slot in zip(row_logits, slots)]).unsqueeze(0)
+    logprobs, entropy = micro_batch_logprobs_and_entropy(packed_logits, micro)
+    assert logprobs.shape == entropy.shape == (3, width - 1)
+    weights = torch.randn(3, width - 1, generator=gen)
+    (weights * (logprobs + 0.5 * entropy)).sum().backward()
+
+    for row, logits in enumerate(row_logits):
+        n = int(lengths[row])
+        ref_lp, ref_ent = _float64_reference(logits.detach()[:-1], tokens[row, 1:n])
+        torch.testing.assert_close(logprobs[row, :n - 1].double(), ref_lp, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(entropy[row, :n - 1].double(), ref_ent, rtol=1e-6, atol=1e-6)
+        assert logprobs[row, n - 1:].abs().sum() == 0 and entropy[row, n - 1:].abs().sum() == 0
+        logits64 = logits.detach().double().requires_grad_()
+        lp64, ent64 = _float64_reference(logits64[:-1], tokens[row, 1:n])
+        (weights[row, :n - 1].double() * (lp64 + 0.5 * ent64)).sum().backward()
+        torch.testing.assert_close(logits.grad.double(), logits64.grad, rtol=1e-5, atol=1e-6)

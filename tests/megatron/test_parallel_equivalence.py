@@ -10,9 +10,12 @@ against a float64 full-softmax reference.
 Each parallel layout loads the reference weights (``load_full_state_dict``), wraps the model in
 megatron's ``DistributedDataParallel`` (the engine's :func:`training.wrap_for_training`), runs
 ``compute_logprobs`` and ``train_step_forward_backward`` for every loss and two micro-batch
-splits, gathers its gradient buffers back to full tensors and compares on every rank. Then one
-step of megatron's DISTRIBUTED optimizer (the engine's :func:`training.build_optimizer`) is
-compared with a ``torch.optim.AdamW`` step on the reference gradients.
+splits (row counts that need not divide the rows), gathers its gradient buffers back to full
+tensors and compares on every rank. Then one step of megatron's DISTRIBUTED optimizer (the
+engine's :func:`training.build_optimizer`) is compared with a ``torch.optim.AdamW`` step on the
+reference gradients. The token-budget test does the same for every algorithm of the registry
+with rows sorted by length, binned under a padded-token budget and trimmed (ragged lengths,
+empty responses, and a data-parallel rank padded with an empty micro-batch).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 from mcore_ranks import run_ranks
 
 LOSSES = ("quatro", "gspo", "dapo", "grpo")
+EMPTY_RESPONSE_ROWS = (3, 6)
 SEED = 1234
 NUM_SEQUENCES, SEQ_LEN = 8, 12
 REL_TOL = 1e-5
@@ -56,23 +60,32 @@ def _float64_logprobs_entropy(model, tokens, position_ids):
     return logp.gather(-1, tokens[:, 1:, None])[..., 0], -(logp.exp() * logp).sum(-1)
 
 
-def _algo_config(loss_name):
+def _algo_config(algorithm):
     from quatro_nemo.algos import get_algorithm
 
-    return get_algorithm(loss_name).config_cls(beta=0.01)
+    return get_algorithm(algorithm).config_cls(beta=0.01)
+
+
+def _loss_name(algorithm):
+    from quatro_nemo.algos import ALGORITHMS
+
+    return ALGORITHMS[algorithm][1]
 
 
 def _make_batch(logprobs_now: torch.Tensor) -> dict:
-    """A fixed global batch: prompts of 3-5 tokens, responses of varied length, right padding."""
+    """A fixed global batch: prompts of 3-5 tokens, responses of varied length (two empty), right
+    padding; ``lengths`` = prompt + response tokens (3 to 12)."""
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(1, 64, (NUM_SEQUENCES, SEQ_LEN), generator=gen)
     response_mask = torch.zeros(NUM_SEQUENCES, SEQ_LEN - 1)
+    lengths = torch.zeros(NUM_SEQUENCES, dtype=torch.long)
     for row in range(NUM_SEQUENCES):
         prompt_len = 3 + row % 3
-        response_len = 2 + (row * 5) % (SEQ_LEN - prompt_len - 1)
+        response_len = 0 if row in EMPTY_RESPONSE_ROWS else 2 + (row * 5) % (SEQ_LEN - prompt_len - 1)
         end = prompt_len + response_len
         tokens[row, end:] = 0  # pad id
         response_mask[row, prompt_len - 1:end - 1] = 1.0
+        lengths[row] = end
     # pi_old off the current policy by per-row amounts: 0 (on-policy), tiny (inside GSPO's
     # clip range), moderate and large (PPO clip active).
     scale = torch.tensor([0.0, 2e-4, 0.1, 0.4]).repeat(NUM_SEQUENCES // 4).unsqueeze(-1)
@@ -80,11 +93,12 @@ def _make_batch(logprobs_now: torch.Tensor) -> dict:
     ref = logprobs_now + 0.2 * torch.randn(logprobs_now.shape, generator=gen)
     return dict(tokens=tokens, position_ids=torch.arange(SEQ_LEN).expand(NUM_SEQUENCES, SEQ_LEN).clone(),
                 response_mask=response_mask, old_logprobs=old, ref_logprobs=ref,
-                advantages=torch.randn(NUM_SEQUENCES, generator=gen))
+                advantages=torch.randn(NUM_SEQUENCES, generator=gen), lengths=lengths)
 
 
-def _reference_loss_and_grads(model, batch, loss_name):
-    """Plain single-process full-batch loss, metrics and gradients (no quatro_nemo.megatron code)."""
+def _reference_loss_and_grads(model, batch, algorithm):
+    """Plain single-process full-batch loss, metrics and gradients (no quatro_nemo.megatron code):
+    every row at the full width, padding included."""
     from quatro_nemo.algos import get_policy_loss
     from quatro_nemo.algos.aggregation import LossNormalizer
 
@@ -93,13 +107,13 @@ def _reference_loss_and_grads(model, batch, loss_name):
     log_softmax = torch.log_softmax(model(tokens, batch["position_ids"], None)[:, :-1], -1)
     logprobs = log_softmax.gather(-1, tokens[:, 1:, None])[..., 0]
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    loss, metrics = get_policy_loss(loss_name)(
+    loss, metrics = get_policy_loss(_loss_name(algorithm))(
         logprobs, batch["old_logprobs"], batch["advantages"], batch["response_mask"],
-        _algo_config(loss_name), LossNormalizer.from_mask(batch["response_mask"]),
+        _algo_config(algorithm), LossNormalizer.from_mask(batch["response_mask"]),
         ref_logprobs=batch["ref_logprobs"], entropy=entropy.detach())
     loss.backward()
     # Guard against a vacuous comparison (e.g. every sequence clipped): gradients must flow.
-    assert model.embedding.word_embeddings.weight.grad.abs().max() > 1e-6, loss_name
+    assert model.embedding.word_embeddings.weight.grad.abs().max() > 1e-6, algorithm
     return dict(loss=loss.item(), metrics={k: v.item() for k, v in metrics.items()},
                 grads={name: p.grad.clone() for name, p in model.named_parameters()})
 
@@ -120,6 +134,7 @@ def _reference_adam_update(model, state, grads):
 
 
 def _reference_rank(rank, path):
+    from quatro_nemo.algos import ALGORITHMS
     from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
 
@@ -136,7 +151,7 @@ def _reference_rank(rank, path):
     tokens = batch["tokens"]
     ref_logprobs64, ref_entropy64 = _float64_logprobs_entropy(model, tokens, position_ids)
 
-    results = {name: _reference_loss_and_grads(model, batch, name) for name in LOSSES}
+    results = {name: _reference_loss_and_grads(model, batch, name) for name in ALGORITHMS}
     adam_update = _reference_adam_update(model, state, results["quatro"]["grads"])
     qwen2 = build_model(_qwen2_config())
     qwen2_logprobs64, qwen2_entropy64 = _float64_logprobs_entropy(qwen2, tokens, position_ids)
@@ -194,12 +209,12 @@ def _assert_every_parameter_compared(covered, full_state):
     assert set().union(*everyone) == set(full_state), "some parameters were never compared"
 
 
-def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, path):
+def _rank_setup(tensor_parallel, pipeline_parallel, path):
+    """(reference, layout, model with the reference weights, its DDP wrapper, this DP rank's rows,
+    its batch)."""
     from quatro_nemo.megatron import training
-    from quatro_nemo.megatron.checkpoint import gather_full_state_dict, load_full_state_dict
-    from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
-    from quatro_nemo.megatron.loss import global_loss_normalizer
-    from quatro_nemo.megatron.models import build_model, global_parameter_name
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
 
     ref = torch.load(path)
@@ -210,6 +225,17 @@ def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, 
     rows = slice(layout.dp_rank * NUM_SEQUENCES // layout.data_parallel,
                  (layout.dp_rank + 1) * NUM_SEQUENCES // layout.data_parallel)
     batch = {key: value[rows] for key, value in ref["batch"].items()}
+    return ref, layout, model, ddp, rows, batch
+
+
+def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, path):
+    from quatro_nemo.megatron import training
+    from quatro_nemo.megatron.checkpoint import gather_full_state_dict, load_full_state_dict
+    from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+    from quatro_nemo.megatron.loss import global_loss_normalizer
+    from quatro_nemo.megatron.models import build_model, global_parameter_name
+
+    ref, layout, model, ddp, rows, batch = _rank_setup(tensor_parallel, pipeline_parallel, path)
 
     logprobs, entropy = compute_logprobs(model, batch, micro_batch_sizes[0])
     _assert_close("logprobs vs float64", logprobs, ref["logprobs64"][rows])
@@ -235,7 +261,7 @@ def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, 
     for part, finalize in ((slice(0, half), False), (slice(half, None), True)):
         metrics = train_step_forward_backward(
             ddp, {key: value[part] for key, value in batch.items()}, "quatro", _algo_config("quatro"),
-            micro_batch_size=1, normalizer=normalizer, finalize_grads=finalize)
+            1, normalizer=normalizer, finalize_grads=finalize)
         losses.append(metrics["loss"])
     expected = ref["results"]["quatro"]
     _assert_close("two calls, summed loss", sum(losses), expected["loss"])
@@ -271,15 +297,76 @@ def reference_path(tmp_path_factory):
 @pytest.mark.parametrize(
     "world_size, tensor_parallel, pipeline_parallel, micro_batch_sizes",
     [
-        pytest.param(2, 2, 1, (2, 8), id="tp2"),
-        pytest.param(2, 1, 2, (2, 4), id="pp2"),
-        pytest.param(2, 1, 1, (1, 4), id="dp2"),
+        pytest.param(2, 2, 1, (3, 8), id="tp2"),
+        pytest.param(2, 1, 2, (3, 4), id="pp2"),
+        pytest.param(2, 1, 1, (1, 3), id="dp2"),
         pytest.param(4, 2, 2, (2, 8), id="tp2xpp2"),
     ],
 )
 def test_loss_and_gradients_match_single_process(reference_path, world_size, tensor_parallel,
                                                  pipeline_parallel, micro_batch_sizes):
     run_ranks(world_size, _parallel_rank, tensor_parallel, pipeline_parallel, micro_batch_sizes,
+              reference_path)
+
+
+def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, micro_batches, path):
+    from megatron.core import parallel_state
+
+    from quatro_nemo.algos import ALGORITHMS
+    from quatro_nemo.megatron.batching import MicroBatching, plan_micro_batches
+    from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+    from quatro_nemo.megatron.models import transformer_engine_available
+
+    ref, layout, model, ddp, rows, batch = _rank_setup(tensor_parallel, pipeline_parallel, path)
+    batching = MicroBatching(max_tokens=max_tokens)
+    plan = plan_micro_batches(batch, batching)
+    # The budget must make this a real test: trimmed micro-batches of several shapes.
+    assert len({(micro.rows.numel(), micro.width) for micro in plan}) > 1
+    assert any(micro.width < SEQ_LEN for micro in plan)
+
+    if not transformer_engine_available():  # the local layer spec has no THD attention
+        with pytest.raises(ValueError, match="parallel.sequence_packing=true needs Transformer Engine"):
+            compute_logprobs(model, batch, MicroBatching(max_tokens=max_tokens, pack=True))
+
+    logprobs, entropy = compute_logprobs(model, batch, batching)
+    valid = torch.arange(SEQ_LEN - 1).unsqueeze(0) < (batch["lengths"] - 1).unsqueeze(1)
+    _assert_close("token budget: logprobs vs float64", logprobs[valid], ref["logprobs64"][rows][valid])
+    _assert_close("token budget: entropy vs float64", entropy[valid], ref["entropy64"][rows][valid])
+
+    forward_calls = []
+    model.register_forward_pre_hook(lambda module, args: forward_calls.append(1))
+    covered = set()
+    for algorithm in ALGORITHMS:
+        ddp.zero_grad_buffer()
+        forward_calls.clear()
+        metrics = train_step_forward_backward(ddp, batch, _loss_name(algorithm), _algo_config(algorithm),
+                                              batching)
+        where = f"{algorithm} tp={tensor_parallel} pp={pipeline_parallel} max_tokens={max_tokens}"
+        _assert_step_matches(where, model, metrics, ref["results"][algorithm], covered)
+        # every DP rank ran the same number of micro-batches (empty ones pad the shorter plan)
+        counts = [None] * layout.data_parallel
+        torch.distributed.all_gather_object(counts, len(forward_calls), group=parallel_state.get_data_parallel_group())
+        assert counts == [micro_batches] * layout.data_parallel, counts
+    _assert_every_parameter_compared(covered, ref["state"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world_size, tensor_parallel, pipeline_parallel, max_tokens, micro_batches",
+    [
+        # lengths 5, 11, 11, 3, 12, 8, 3, 6 under 22 tokens: [12], [11, 11], [8, 6], [5, 3, 3]
+        pytest.param(2, 2, 1, 22, 4, id="tp2"),
+        pytest.param(2, 1, 2, 22, 4, id="pp2"),
+        # rank 0's rows (5, 11, 11, 3) make 2 micro-batches, rank 1's (12, 8, 3, 6) make 3:
+        # rank 0 runs an empty one
+        pytest.param(2, 1, 1, 22, 3, id="dp2"),
+    ],
+)
+def test_token_budget_matches_single_process(reference_path, world_size, tensor_parallel, pipeline_parallel,
+                                             max_tokens, micro_batches):
+    """Every registry algorithm under token-budget micro-batches (sorted, binned, trimmed to each
+    micro-batch's longest row) gives the padded single-process loss, metrics and gradients."""
+    run_ranks(world_size, _token_budget_rank, tensor_parallel, pipeline_parallel, max_tokens, micro_batches,
               reference_path)
 
 
@@ -294,7 +381,7 @@ def _qwen2_rank(rank, tensor_parallel, pipeline_parallel, path):
     initialize_parallel(tensor_parallel, pipeline_parallel, seed=SEED + 1)
     model = build_model(_qwen2_config())
     load_full_state_dict(model, ref["qwen2"]["state"])
-    logprobs, entropy = compute_logprobs(model, ref["batch"], micro_batch_size=4)
+    logprobs, entropy = compute_logprobs(model, ref["batch"], 4)
     _assert_close("qwen2 logprobs vs float64", logprobs, ref["qwen2"]["logprobs64"])
     _assert_close("qwen2 entropy vs float64", entropy, ref["qwen2"]["entropy64"])
 
