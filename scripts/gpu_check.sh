@@ -5,7 +5,8 @@
 #
 # conf/gpu_check.yaml: a randomly initialised Qwen2-0.5B (conf/model/qwen2_0p5b.yaml, no download)
 # with the cluster configs' settings scaled down to one GPU. For each rollout backend (megatron,
-# then vllm where `import vllm` works; otherwise it is reported as skipped):
+# then vllm where `import vllm` works, then "packed": megatron with token-budget micro-batches
+# packed into THD sequences where Transformer Engine imports; a missing one is reported skipped):
 #   1. recipes/train.py config=gpu_check rollout.backend=B trainer.steps=2   (checkpoints each step)
 #   2. the same command with trainer.steps=3: resumes from its step-2 checkpoint, trains step 3
 # then prints, per backend, step time, tokens/s and the peak GPU memory (nvidia-smi, sampled every
@@ -19,7 +20,8 @@
 # WHEEL_DIR (or $QUATRO_WHEELS), prepared where a registry is reachable:
 #     pip download --no-deps --dest wheels/ -r requirements/gpu_check.txt
 # Environment: GPU_CHECK_DIR (run directories; default runs/gpu_check-<UTC time>),
-# GPU_CHECK_BACKENDS (default "megatron vllm"), GPU_CHECK_BUDGET_S (seconds all train.py commands
+# GPU_CHECK_BACKENDS (default "megatron vllm packed"), GPU_CHECK_TOKEN_BUDGET (packed: tokens per
+# micro-batch, default 8192), GPU_CHECK_BUDGET_S (seconds all train.py commands
 # together may take, default 540: a command is stopped when the budget is spent and the check fails),
 # PYTHON (default: the repository's .venv, else python).
 set -euo pipefail
@@ -79,24 +81,37 @@ trap stop_memory_sampler EXIT
 
 deadline=$((SECONDS + ${GPU_CHECK_BUDGET_S:-540}))
 backends=()
-for backend in ${GPU_CHECK_BACKENDS:-megatron vllm}; do
+for backend in ${GPU_CHECK_BACKENDS:-megatron vllm packed}; do
     if [ "$backend" = vllm ] && ! "$PYTHON" -c "import vllm" >/dev/null 2>&1; then
         say "vllm: skipped (vllm is not importable here)"
         echo "vllm is not importable" > "$check_dir/vllm.skipped"
         continue
     fi
+    # "packed": the megatron backend with token-budget micro-batches packed into THD sequences
+    # (Transformer Engine only), beside the padded "megatron" run: tokens/s both ways.
+    engine=$backend
+    batching=()
+    if [ "$backend" = packed ]; then
+        if ! "$PYTHON" -c "import transformer_engine" >/dev/null 2>&1; then
+            say "packed: skipped (Transformer Engine is not importable here; THD packing needs it)"
+            echo "transformer_engine is not importable" > "$check_dir/packed.skipped"
+            continue
+        fi
+        engine=megatron
+        batching=("parallel.max_tokens_per_micro_batch=${GPU_CHECK_TOKEN_BUDGET:-8192}" parallel.sequence_packing=true)
+    fi
     backends+=("$backend")
     run_dir=$check_dir/$backend
     for steps in 2 3; do  # the second command resumes from the first one's checkpoint
-        say "$backend: recipes/train.py config=gpu_check rollout.backend=$backend trainer.steps=$steps"
+        say "$backend: recipes/train.py config=gpu_check rollout.backend=$engine ${batching[*]} trainer.steps=$steps"
         if [ "$SECONDS" -ge "$deadline" ]; then
             say "$backend: out of time (GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-540} spent)"
             break
         fi
         start_memory_sampler "$check_dir/$backend.steps$steps.memory"
         if ! timeout "$((deadline - SECONDS))" "$PYTHON" recipes/train.py config=gpu_check \
-                rollout.backend="$backend" run.dir="$run_dir" trainer.steps="$steps" run.progress_bar=false \
-                logging.tensorboard=false "${overrides[@]}" 2>&1 | tee -a "$check_dir/$backend.log"; then
+                rollout.backend="$engine" run.dir="$run_dir" trainer.steps="$steps" run.progress_bar=false \
+                logging.tensorboard=false "${batching[@]}" "${overrides[@]}" 2>&1 | tee -a "$check_dir/$backend.log"; then
             say "$backend: recipes/train.py trainer.steps=$steps failed (log: $check_dir/$backend.log)"
             stop_memory_sampler
             break

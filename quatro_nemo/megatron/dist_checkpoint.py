@@ -17,6 +17,7 @@ takes (the CPU); they live in :mod:`quatro_nemo.megatron.mcore_fixes`.
 from __future__ import annotations
 
 import os
+import signal
 from typing import Any, Dict
 
 from quatro_nemo.megatron import mcore_fixes
@@ -36,11 +37,31 @@ def _sharded_state_dict(ddp_model, optimizer, is_loading: bool) -> Dict[str, Any
     return {"model": model_state, "optimizer": optimizer_state}
 
 
+def _start_writer_manager_deaf_to_preemption() -> None:
+    """The torch_dist writer reports through a ``multiprocessing`` Manager, a process it spawns at
+    the first save. A spawned process starts with default signal actions, so the SIGUSR1/SIGTERM
+    that SLURM sends to every process of a job step to ask for a checkpoint would kill it, and the
+    checkpoint with it (seen in tests/slurm: EOFError from the Manager). Start it here with those
+    signals blocked: the mask is inherited across exec, so the Manager never receives them, while
+    this process gets them as soon as the mask is restored (blocked signals stay pending)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    preemption_signals = {signal.SIGUSR1, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, preemption_signals)
+    try:
+        filesystem_async._get_write_results_queue()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def save_sharded(folder: str, ddp_model, optimizer, common: Dict[str, Any]) -> None:
     """Save model + optimizer shards and ``common`` into ``folder`` (collective; every rank)."""
     from megatron.core import dist_checkpointing
 
     os.makedirs(folder, exist_ok=True)  # megatron asks for an existing, empty folder
+    _start_writer_manager_deaf_to_preemption()
     state = _sharded_state_dict(ddp_model, optimizer, is_loading=False)
     state["common"] = common
     dist_checkpointing.save(state, folder)

@@ -99,11 +99,11 @@ def evaluate_run(run_dir: str, num_problems: int, n_samples: int, top_ps: Sequen
         raise FileNotFoundError(f"{run_dir}: no complete checkpoint to evaluate")
     cfg_for = lambda p: _config_with(raw, eval_overrides(num_problems, n_samples, p, temperature, seed))  # noqa: E731
     cfg = cfg_for(top_ps[0])
-    layout = parallel.initialize_parallel(1, 1, seed=seed)
+    parallel.initialize_parallel(1, 1, seed=seed)
     try:
         task = build_task(cfg)
         policy = build_model(task.model_config(cfg.model))
-        policy.load_state_dict(ckpt.load_checkpoint(run_dir, step, ckpt.layout_signature(layout))["model"])
+        ckpt.load_model_weights(run_dir, step, policy)   # any training layout loads into TP=1, PP=1
         return evaluate_model(policy, task, cfg_for, top_ps, step)
     finally:
         parallel.destroy_parallel()

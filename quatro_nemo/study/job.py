@@ -28,7 +28,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     train_argv, eval_argv = argv[:split], argv[split + 1:]
 
     from quatro_nemo.engine.config import ConfigError, load_config
-    from quatro_nemo.engine.loop import PREEMPTED_EXIT_CODE, Preempted, train
+    from quatro_nemo.engine.loop import train
+    from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
     from quatro_nemo.study.evaluation import STUDY_EVAL, evaluate_run, parse_args, write_records
     from quatro_nemo.study.runner import is_trained
 

@@ -39,7 +39,8 @@ def gpu_check(tmp_path, pythonpath=None, backends=None, **extra_env):
 def test_gpu_check_trains_resumes_and_reports_both_backends_on_cpu(tmp_path):
     done, result = gpu_check(tmp_path, pythonpath=FAKE_VLLM)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert result["failures"] == [] and result["skipped"] == {}
+    # THD packing needs Transformer Engine, which never imports on a CPU machine
+    assert result["failures"] == [] and result["skipped"] == {"packed": "transformer_engine is not importable"}
     assert result["plan"]["train_phase_gb"] > 0 and result["plan"]["rollout_phase_gb"] > 0
     for backend in ("megatron", "vllm"):
         run = result["backends"][backend]

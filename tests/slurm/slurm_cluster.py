@@ -83,7 +83,7 @@ def real_recipe(tmp_dir: Path) -> Recipe:
     """
     tiny = [
         "config=config", "trainer.device=cpu", "run.progress_bar=false",
-        "warmstart.steps=200", f"warmstart.cache_dir={tmp_dir / 'warmstart-cache'}",
+        "warmstart.steps=200", "warmstart.all_numbers=0", f"warmstart.cache_dir={tmp_dir / 'warmstart-cache'}",
         "task.num_train=64", "task.num_heldout=16",
         "trainer.prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=12",
         "parallel.micro_batch_size=8", "eval.num_problems=0", "logging.tensorboard=false",
