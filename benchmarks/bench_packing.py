@@ -14,7 +14,7 @@ responses log-normal with mean 1,000 tokens and sigma 1.0 (a long tail), capped 
     same distribution scaled down 16x (prompts 3..32, responses mean 62, capped at 192), padded
     rows vs a token budget of the same peak size (rows x the batch's longest row), timed side by
     side (interleaved rounds: the least CPU time of this process, the median wall time). Packing
-    needs Transformer Engine (GPU): ``scripts/gpu_check.py`` measures it.
+    needs Transformer Engine (GPU): the "packed" run of ``scripts/gpu_check.sh`` measures it.
 """
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
     from quatro_nemo.engine.loop import (build_training_state, global_rewards, learn_from_rollout, length_penalty,
                                          local_prompt_slots)
     from quatro_nemo.engine.memory_plan import section_from_dict
-    from quatro_nemo.engine.rollout import get_rollout_backend
+    from quatro_nemo.engine.rollout import MegatronRolloutBackend
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
     from quatro_nemo.megatron.models import build_model
 
@@ -103,7 +103,7 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
     def prepare():
         policy = build_model(model_cfg)
         load_full_state_dict(policy, initial_state)
-        backend = get_rollout_backend("megatron", model=policy, eos_id=1, pad_id=0)
+        backend = MegatronRolloutBackend(policy, eos_id=1, pad_id=0)
         policy_ddp, optimizer = build_training_state(policy, trainer, scale.distributed_optimizer)
         state.update(policy=policy, policy_ddp=policy_ddp, optimizer=optimizer, backend=backend)
 
