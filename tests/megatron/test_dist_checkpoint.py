@@ -15,21 +15,22 @@ from mcore_ranks import run_ranks
 STEPS = 3
 
 
-def _setup(initial=None):
+def _setup(initial=None, tie_embeddings=True, adam_eps=1e-8):
     from quatro_nemo.megatron import training
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
     from quatro_nemo.megatron.models import ModelConfig, build_model
 
     model = build_model(ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
-                                    max_position_embeddings=16))
+                                    ffn_hidden_size=64, max_position_embeddings=16, tie_embeddings=tie_embeddings))
     if initial is not None:
         load_full_state_dict(model, initial)
     ddp = training.wrap_for_training(model, distributed_optimizer=True)
-    optimizer = training.build_optimizer(ddp, training.OptimizerSettings(lr=1e-2, weight_decay=0.1))
+    optimizer = training.build_optimizer(ddp, training.OptimizerSettings(lr=1e-2, weight_decay=0.1, adam_eps=adam_eps))
     return model, ddp, optimizer
 
 
 def _step(ddp, optimizer, step):
+    """One optimizer step on a fixed 8-row batch (this DP rank's share of it)."""
     from quatro_nemo.algos import get_algorithm
     from quatro_nemo.megatron import parallel, training
     from quatro_nemo.megatron.forward import train_step_forward_backward
@@ -40,7 +41,8 @@ def _step(ddp, optimizer, step):
     mask[:, 4:] = 1.0
     batch = dict(tokens=tokens, position_ids=torch.arange(16).expand(8, 16).contiguous(), response_mask=mask,
                  old_logprobs=torch.full((8, 15), -4.0), advantages=torch.randn(8, generator=gen))
-    rows = slice(parallel.dp_rank() * 4, parallel.dp_rank() * 4 + 4)
+    share = 8 // parallel.dp_size()
+    rows = slice(parallel.dp_rank() * share, (parallel.dp_rank() + 1) * share)
     training.zero_gradients(ddp, optimizer)
     train_step_forward_backward(ddp, {k: v[rows] for k, v in batch.items()}, "gspo",
                                 get_algorithm("gspo").config_cls(beta=0.0), 2)
@@ -87,39 +89,9 @@ LAYOUTS = [(1, 1, 1), (2, 2, 1), (2, 1, 2), (1, 1, 1)]   # (world size, TP, PP):
 
 
 def _untied_setup(initial=None):
-    from quatro_nemo.megatron import training
-    from quatro_nemo.megatron.checkpoint import load_full_state_dict
-    from quatro_nemo.megatron.models import ModelConfig, build_model
-
-    model = build_model(ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=4,
-                                    ffn_hidden_size=64, max_position_embeddings=16, tie_embeddings=False))
-    if initial is not None:
-        load_full_state_dict(model, initial)
-    ddp = training.wrap_for_training(model, distributed_optimizer=True)
     # eps above the gradients' float32 noise: Adam's update is then a smooth function of the
     # gradient, so layouts that sum in another order still agree closely.
-    optimizer = training.build_optimizer(ddp, training.OptimizerSettings(lr=1e-2, weight_decay=0.1, adam_eps=1e-3))
-    return model, ddp, optimizer
-
-
-def _full_batch_step(ddp, optimizer, step):
-    """One optimizer step on a fixed 8-row batch (this DP rank's share of it)."""
-    from quatro_nemo.algos import get_algorithm
-    from quatro_nemo.megatron import parallel, training
-    from quatro_nemo.megatron.forward import train_step_forward_backward
-
-    gen = torch.Generator().manual_seed(200 + step)
-    tokens = torch.randint(1, 32, (8, 16), generator=gen)
-    mask = torch.zeros(8, 15)
-    mask[:, 4:] = 1.0
-    batch = dict(tokens=tokens, position_ids=torch.arange(16).expand(8, 16).contiguous(), response_mask=mask,
-                 old_logprobs=torch.full((8, 15), -3.5), advantages=torch.randn(8, generator=gen))
-    share = 8 // parallel.dp_size()
-    rows = slice(parallel.dp_rank() * share, (parallel.dp_rank() + 1) * share)
-    training.zero_gradients(ddp, optimizer)
-    train_step_forward_backward(ddp, {k: v[rows] for k, v in batch.items()}, "gspo",
-                                get_algorithm("gspo").config_cls(beta=0.0), 2)
-    training.optimizer_step(ddp, optimizer)
+    return _setup(initial, tie_embeddings=False, adam_eps=1e-3)
 
 
 def _layout_rank(rank, folder, index, tensor_parallel, pipeline_parallel):
@@ -139,7 +111,7 @@ def _layout_rank(rank, folder, index, tensor_parallel, pipeline_parallel):
         saved = torch.load(os.path.join(folder, f"after{index - 1}.pt"))
         for name, tensor in saved.items():
             assert torch.equal(loaded[name], tensor), f"layout {index}: {name} changed across save/load"
-    _full_batch_step(ddp, optimizer, index)
+    _step(ddp, optimizer, index)
     full = gather_full_state_dict(model)
     if rank == 0:
         torch.save(full, os.path.join(folder, f"after{index}.pt"))
@@ -153,7 +125,7 @@ def _uninterrupted_rank(rank, folder):
     initialize_parallel(1, 1, seed=9)
     model, ddp, optimizer = _untied_setup(torch.load(os.path.join(folder, "initial.pt")))
     for index in range(len(LAYOUTS)):
-        _full_batch_step(ddp, optimizer, index)
+        _step(ddp, optimizer, index)
     torch.save(gather_full_state_dict(model), os.path.join(folder, "uninterrupted.pt"))
 
 
