@@ -150,7 +150,7 @@ def report_cpu_step_time(repeats: int, num_prompts: int = 16, n: int = 8, rows_p
             with torch.no_grad():
                 batch["old_logprobs"], _ = compute_logprobs(model, batch, batching)
             model_ddp.zero_grad_buffer()
-            train_step_forward_backward(model_ddp, batch, "quatro", algo_config, batching)
+            train_step_forward_backward(model_ddp, batch, get_algorithm("quatro").policy_loss, algo_config, batching)
         return run
 
     (padded_wall, padded_s), (budget_wall, budget_s) = interleaved_timings([step(padded), step(budget)], repeats)

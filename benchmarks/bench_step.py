@@ -20,12 +20,9 @@ read the ratios.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -88,8 +85,7 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
     ``learn_from_rollout`` on the saved rollout and records the optimizer steps taken in
     ``optimizer_steps[algorithm name]``."""
     from quatro_nemo.algos import get_algorithm
-    from quatro_nemo.engine.loop import (build_training_state, global_rewards, learn_from_rollout, length_penalty,
-                                         local_prompt_slots)
+    from quatro_nemo.engine.loop import build_training_state, learn_from_rollout, local_prompt_slots, shape_rewards
     from quatro_nemo.engine.memory_plan import section_from_dict
     from quatro_nemo.engine.rollout import MegatronRolloutBackend
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
@@ -108,10 +104,10 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
         state.update(policy=policy, policy_ddp=policy_ddp, optimizer=optimizer, backend=backend)
 
     def run():
-        shaped = global_rewards(rewards + length_penalty(rollout, cfg.algorithm, cfg.rollout.max_new_tokens),
-                                NUM_PROMPTS, MINI_BATCH_PROMPTS)
+        _, groups = shape_rewards(spec, cfg.algorithm, rollout, rewards, NUM_PROMPTS, MINI_BATCH_PROMPTS,
+                                  cfg.rollout.max_new_tokens)
         learned = learn_from_rollout(cfg, spec, state["policy"], state["policy_ddp"], reference, state["optimizer"],
-                                     state["backend"], rollout, rewards, shaped, slots, optimizer_steps_done=0)
+                                     state["backend"], rollout, groups, slots, optimizer_steps_done=0)
         optimizer_steps[cfg.algorithm_name] = len(learned.metrics)
     return prepare, run
 

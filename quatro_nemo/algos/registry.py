@@ -19,6 +19,7 @@ from quatro_nemo.algos.config import (
     GSPOConfig,
     QuatroConfig,
 )
+from quatro_nemo.algos.reward_shaping import dapo_shape_groups, keep_all_groups
 
 ADVANTAGE_ESTIMATORS: Dict[str, Callable] = {}
 POLICY_LOSSES: Dict[str, Callable] = {}
@@ -63,33 +64,49 @@ def get_policy_loss(name: str) -> Callable:
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """One algorithm = (advantage estimator, policy loss, config class)."""
+    """One algorithm, as the functions the engine calls (it never looks a name up again):
+
+    advantage_estimator: ``(rewards [B, N], config) -> AdvantageOutput``
+    policy_loss:         ``(logprobs, old_logprobs, advantages, mask, config, normalizer, ...)``
+    config_cls:          the typed config (``quatro_nemo.algos.config``)
+    shape_groups:        the data-side hook ``(verifier rewards [B, N], response lengths [B, N],
+                         max_new_tokens, config) -> ShapedGroups`` (DAPO: group filter, overlong
+                         shaping; every other algorithm: ``keep_all_groups``)
+    """
 
     name: str
     advantage_estimator: Callable
     policy_loss: Callable
     config_cls: Type[AlgorithmConfig]
+    shape_groups: Callable = keep_all_groups
+
+    @staticmethod
+    def needs_reference_model(config: AlgorithmConfig) -> bool:
+        """The k3 KL to pi_ref is in the loss (``beta > 0``), so log pi_ref must be computed."""
+        return config.beta > 0
 
 
-# name -> (advantage estimator name, policy loss name, config class)   (quatro-math.md Sec. 5)
-ALGORITHMS: Dict[str, Tuple[str, str, Type[AlgorithmConfig]]] = {
-    "quatro": ("quatro", "quatro", QuatroConfig),
-    "grpo": ("grpo", "grpo", GRPOConfig),
-    "gspo": ("grpo", "gspo", GSPOConfig),
-    "gmpo": ("grpo", "gmpo", GMPOConfig),
-    "dapo": ("grpo", "dapo", DAPOConfig),
-    "cispo": ("grpo", "cispo", CISPOConfig),
-    "gpg": ("gpg", "gpg", GPGConfig),
+# name -> (advantage estimator name, policy loss name, config class, data-side hook)
+# (quatro-math.md Sec. 5)
+ALGORITHMS: Dict[str, Tuple[str, str, Type[AlgorithmConfig], Callable]] = {
+    "quatro": ("quatro", "quatro", QuatroConfig, keep_all_groups),
+    "grpo": ("grpo", "grpo", GRPOConfig, keep_all_groups),
+    "gspo": ("grpo", "gspo", GSPOConfig, keep_all_groups),
+    "gmpo": ("grpo", "gmpo", GMPOConfig, keep_all_groups),
+    "dapo": ("grpo", "dapo", DAPOConfig, dapo_shape_groups),
+    "cispo": ("grpo", "cispo", CISPOConfig, keep_all_groups),
+    "gpg": ("gpg", "gpg", GPGConfig, keep_all_groups),
 }
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:
-    estimator_name, loss_name, config_cls = _lookup(ALGORITHMS, "algorithm", name)
+    estimator_name, loss_name, config_cls, shape_groups = _lookup(ALGORITHMS, "algorithm", name)
     return AlgorithmSpec(
         name=name,
         advantage_estimator=get_advantage_estimator(estimator_name),
         policy_loss=get_policy_loss(loss_name),
         config_cls=config_cls,
+        shape_groups=shape_groups,
     )
 
 

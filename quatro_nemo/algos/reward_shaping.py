@@ -1,9 +1,50 @@
-"""Data-side pieces of DAPO (arXiv:2503.14476), as pure functions the engine calls on rollouts."""
+"""Data-side hooks: what an algorithm does to a rollout batch's rewards before the advantages
+(``AlgorithmSpec.shape_groups``), and DAPO's pieces (arXiv:2503.14476) as pure functions."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from quatro_nemo.algos.dual import check_rewards
+
+
+@dataclass(frozen=True)
+class ShapedGroups:
+    """An algorithm's data-side view of one global rollout batch.
+
+    rewards: [B, N] the rewards the advantage estimator sees (verifier rewards, possibly shaped).
+    weights: [B] float 1/0: the groups that enter the loss (0 = dropped, e.g. DAPO's filter).
+    """
+
+    rewards: torch.Tensor
+    weights: torch.Tensor
+
+
+def keep_all_groups(rewards: torch.Tensor, response_lengths: torch.Tensor, max_new_tokens: int,
+                    config) -> ShapedGroups:
+    """The default data-side hook: verifier rewards unchanged, every group kept.
+
+    rewards: [B, N] verifier rewards; response_lengths: [B, N] tokens (unused here).
+    """
+    return ShapedGroups(rewards, torch.ones(rewards.shape[0], device=rewards.device))
+
+
+def dapo_shape_groups(rewards: torch.Tensor, response_lengths: torch.Tensor, max_new_tokens: int,
+                      config) -> ShapedGroups:
+    """DAPO's data side, in the paper's order: dynamic sampling filters groups on the verifier's
+    correctness rewards (Eq. 11, ``config.dynamic_sampling``), THEN the soft overlong punishment
+    (Eq. 13, ``config.overlong_buffer_len``, window capped at ``max_new_tokens``) is added to the
+    rewards the advantages use. DAPO also over-samples to refill the batch; here it shrinks.
+    """
+    weights = (dapo_filter_groups(rewards).float() if config.dynamic_sampling
+               else torch.ones(rewards.shape[0], device=rewards.device))
+    shaped = rewards
+    if config.overlong_buffer_len:
+        shaped = rewards + overlong_penalty(response_lengths, max_new_tokens,
+                                            min(config.overlong_buffer_len, max_new_tokens),
+                                            config.overlong_penalty_factor)
+    return ShapedGroups(shaped, weights)
 
 
 def dapo_filter_groups(rewards: torch.Tensor) -> torch.Tensor:

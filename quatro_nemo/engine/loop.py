@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from quatro_nemo.algos import ALGORITHMS, dapo_filter_groups, get_algorithm, overlong_penalty
+from quatro_nemo.algos import ShapedGroups, get_algorithm
 from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy
@@ -121,22 +121,14 @@ def derive_seed(*parts: Any) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
-def length_penalty(rollout, algo_cfg, max_new_tokens: int) -> torch.Tensor:
-    """[B_local, N] reward shaping for configs with an overlong buffer (DAPO Eq. 13), else zeros."""
-    lengths = rollout.sample.response_lengths.view(rollout.num_prompts, rollout.num_samples)
-    buffer = getattr(algo_cfg, "overlong_buffer_len", None)
-    if not buffer:
-        return torch.zeros(lengths.shape, dtype=torch.float64)
-    return overlong_penalty(lengths, max_new_tokens, min(buffer, max_new_tokens), algo_cfg.overlong_penalty_factor)
-
-
-def kept_groups(rewards: torch.Tensor, algo_cfg) -> torch.Tensor:
-    """[B] 1/0 weights of the groups that enter the loss: DAPO's dynamic sampling (Eq. 11) drops
-    groups whose rewards are all equal, so they do not dilute the token-mean normaliser. (DAPO also
-    over-samples to refill the batch; here the batch simply shrinks.)"""
-    if getattr(algo_cfg, "dynamic_sampling", False):
-        return dapo_filter_groups(rewards).float()
-    return torch.ones(rewards.shape[0])
+def shape_rewards(spec, algo_cfg, rollout, local_rewards: torch.Tensor, batch_size: int,
+                  mini_batch_size: int, max_new_tokens: int):
+    """Step 3b: (global [B, N] verifier rewards, the algorithm's data-side view of them:
+    ``spec.shape_groups`` -> ShapedGroups(rewards for the advantages, [B] group weights))."""
+    lengths = rollout.sample.response_lengths.view(rollout.num_prompts, rollout.num_samples).to(torch.float64)
+    rewards = global_rewards(local_rewards, batch_size, mini_batch_size)
+    lengths = global_rewards(lengths, batch_size, mini_batch_size)
+    return rewards, spec.shape_groups(rewards, lengths, max_new_tokens, algo_cfg)
 
 
 def make_batch(rollout, advantages: torch.Tensor, group_weights: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -171,7 +163,6 @@ def update_policy(policy_ddp, optimizer, batch: Dict[str, torch.Tensor], spec, a
                   rows_per_mini: int, batching: MicroBatching, optimizer_steps_done: int) -> List[Dict[str, float]]:
     """K inner loops over one rollout batch (step 6): each mini-batch of `rows_per_mini` local rows
     is one optimizer step. Returns each update's metrics (loss metrics, grad_norm, lr)."""
-    loss_name = ALGORITHMS[spec.name][1]
     updates: List[Dict[str, float]] = []
     for _inner in range(trainer.inner_loops):
         for start in range(0, batch["tokens"].shape[0], rows_per_mini):
@@ -181,7 +172,7 @@ def update_policy(policy_ddp, optimizer, batch: Dict[str, torch.Tensor], spec, a
             lr = training.warmup_learning_rate(trainer.lr, trainer.lr_warmup_steps, optimizer_steps_done)
             training.set_learning_rate(optimizer, lr)
             training.zero_gradients(policy_ddp, optimizer)
-            metrics = train_step_forward_backward(policy_ddp, mini, loss_name, algo_cfg, batching)
+            metrics = train_step_forward_backward(policy_ddp, mini, spec.policy_loss, algo_cfg, batching)
             metrics["grad_norm"] = training.optimizer_step(policy_ddp, optimizer)
             metrics["lr"] = lr
             optimizer_steps_done += 1
@@ -212,12 +203,11 @@ class RolloutLearning:
 
 
 def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
-                       rewards: torch.Tensor, shaped: torch.Tensor, slots: List[int],
-                       optimizer_steps_done: int) -> RolloutLearning:
+                       groups: ShapedGroups, slots: List[int], optimizer_steps_done: int) -> RolloutLearning:
     """Steps 4-6 of a training step on this rank's rollout, shared by :func:`train` and
     ``benchmarks/bench_step.py`` (which replays saved rollouts through it).
 
-    ``rewards`` / ``shaped``: the global [B, N] verifier rewards and those after length shaping;
+    ``groups``: the algorithm's data-side view of the global [B, N] rewards (:func:`shape_rewards`);
     ``slots``: this DP rank's global prompt positions (:func:`local_prompt_slots`). Collective over
     all ranks.
     """
@@ -225,13 +215,12 @@ def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, referenc
     batching = MicroBatching.from_parallel_config(cfg.parallel)
 
     # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
-    advantage_out = spec.advantage_estimator(shaped, cfg.algorithm)
+    advantage_out = spec.advantage_estimator(groups.rewards, cfg.algorithm)
     advantages = advantage_out.advantages[slots].reshape(-1)
 
-    # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref.
-    # DAPO's dynamic sampling filters on correctness (the raw verifier rewards, Eq. 11), not on
-    # the length-shaped rewards the advantages use (Eq. 13).
-    group_weights = kept_groups(rewards, cfg.algorithm)[slots].repeat_interleave(n)
+    # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref; rows of groups
+    # the data-side hook dropped (DAPO's filter) leave the loss.
+    group_weights = groups.weights[slots].repeat_interleave(n)
     batch = make_batch(rollout, advantages, group_weights)
     with torch.no_grad():
         batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, batching)
@@ -282,7 +271,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     backend = build_rollout_backend(cfg, policy, model_cfg, task)
     policy_ddp, optimizer = build_training_state(policy, trainer, scale.distributed_optimizer)
     reference = None
-    if getattr(cfg.algorithm, "beta", 0.0) > 0:
+    if spec.needs_reference_model(cfg.algorithm):
         if not scale.reference_on_gpu:
             raise ValueError("scale.reference_on_gpu=false is not implemented: the reference model "
                              "lives on the run device (set it to true, or algorithm.beta=0)")
@@ -344,13 +333,12 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         local_rewards = torch.tensor(task.verifier.score_batch(
             [p for p in problems for _ in range(rollout_cfg.n)], responses),
             dtype=torch.float64).view(len(problems), rollout_cfg.n)
-        rewards = global_rewards(local_rewards, batch_size, mini_batch_size)
-        shaped = global_rewards(local_rewards + length_penalty(rollout, cfg.algorithm, rollout_cfg.max_new_tokens),
-                                batch_size, mini_batch_size)
+        rewards, groups = shape_rewards(spec, cfg.algorithm, rollout, local_rewards, batch_size, mini_batch_size,
+                                        rollout_cfg.max_new_tokens)
 
         # 4-6. Advantages, log pi_old / log pi_ref, K inner loops of optimizer steps.
         learned = learn_from_rollout(cfg, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
-                                     rewards, shaped, slots, optimizer_steps_done)
+                                     groups, slots, optimizer_steps_done)
         advantage_out, update_metrics, old_entropy = learned.advantages, learned.metrics, learned.old_entropy
         optimizer_steps_done += len(update_metrics)
         t_logprobs, t_update = learned.t_logprobs, time.perf_counter()

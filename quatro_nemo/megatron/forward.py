@@ -20,12 +20,11 @@ Log-probs take the model with or without the wrapper.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from quatro_nemo.algos import get_policy_loss
 from quatro_nemo.algos.aggregation import LossNormalizer
 from quatro_nemo.megatron.batching import (
     MicroBatch,
@@ -201,7 +200,7 @@ def finalize_gradients(model) -> None:
 def train_step_forward_backward(
     model,
     batch: Mapping[str, torch.Tensor],
-    policy_loss_name: str,
+    policy_loss: Callable,
     algo_config,
     batching: Union[MicroBatching, int],
     normalizer: Optional[LossNormalizer] = None,
@@ -212,7 +211,7 @@ def train_step_forward_backward(
     Args:
         model: this rank's model stage in megatron's DDP (:func:`training.wrap_for_training`).
         batch: this DP rank's rows (``TRAIN_KEYS``, optionally ``ref_logprobs``).
-        policy_loss_name: a name in the ``quatro_nemo.algos`` policy-loss registry.
+        policy_loss: the algorithm's loss function (``AlgorithmSpec.policy_loss``).
         algo_config: that loss's typed config.
         batching: a :class:`MicroBatching` (rows, or a token budget), or rows per micro-batch.
             Every DP rank runs the same number of micro-batches (empty ones pad the shorter plans).
@@ -231,7 +230,6 @@ def train_step_forward_backward(
     for key in TRAIN_KEYS:
         if key not in batch:
             raise KeyError(f"batch is missing {key!r} (needs {TRAIN_KEYS})")
-    policy_loss = get_policy_loss(policy_loss_name)
     if normalizer is None:
         normalizer = global_loss_normalizer(batch["response_mask"])
     _, micro_batches = split_micro_batches(batch, batching, TRAIN_KEYS + OPTIONAL_TRAIN_KEYS,

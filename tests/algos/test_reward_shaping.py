@@ -40,3 +40,36 @@ def test_all_correct_group_with_an_overlong_response_is_dropped():
     assert shaped.tolist() == [[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, -1.0, 0.0]]   # hand values
     assert dapo_filter_groups(correct).tolist() == [False, True]
     assert dapo_filter_groups(shaped).tolist() == [True, True]                # the bug this guards
+
+
+def test_dapo_data_side_hook_filters_on_correctness_then_shapes_lengths():
+    """The hook the engine calls (``get_algorithm('dapo').shape_groups``) does both steps in DAPO's
+    order: the all-correct group with one overlong response gets weight 0, the other keeps 1, and
+    the advantages see the hand-computed length-shaped rewards. Other algorithms keep every group
+    and the verifier rewards unchanged."""
+    from quatro_nemo.algos import DAPOConfig, get_algorithm
+
+    correct = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    lengths = torch.tensor([[8, 10, 20, 12], [8, 10, 20, 12]], dtype=torch.float64)
+    dapo = get_algorithm("dapo")
+    groups = dapo.shape_groups(correct, lengths, 20, DAPOConfig(overlong_buffer_len=4))
+    assert groups.weights.tolist() == [0.0, 1.0]
+    assert groups.rewards.tolist() == [[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, -1.0, 0.0]]
+    # the overlong window is capped at max_new_tokens: buffer 40 > 20 acts as 20 -> length 10 of 20
+    capped = dapo.shape_groups(correct, lengths, 20, DAPOConfig(overlong_buffer_len=40))
+    assert capped.rewards[1].tolist() == [1.0 - 8 / 20, -10 / 20, -1.0, -12 / 20]
+    unfiltered = dapo.shape_groups(correct, lengths, 20, DAPOConfig(dynamic_sampling=False))
+    assert unfiltered.weights.tolist() == [1.0, 1.0] and torch.equal(unfiltered.rewards, correct)
+    for name in ("quatro", "grpo", "gspo", "gmpo", "cispo", "gpg"):
+        spec = get_algorithm(name)
+        kept = spec.shape_groups(correct, lengths, 20, spec.config_cls())
+        assert kept.weights.tolist() == [1.0, 1.0] and torch.equal(kept.rewards, correct), name
+
+
+def test_reference_model_is_needed_exactly_when_the_k3_term_is_on():
+    from quatro_nemo.algos import get_algorithm
+
+    for name in ("quatro", "grpo", "dapo", "gpg"):
+        spec = get_algorithm(name)
+        assert spec.needs_reference_model(spec.config_cls(beta=0.001))
+        assert not spec.needs_reference_model(spec.config_cls(beta=0.0))

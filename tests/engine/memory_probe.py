@@ -91,7 +91,7 @@ def _rank(rank: int, tensor_parallel: int, distributed_optimizer: bool, params_d
     state_kb = memory_kb("VmRSS")
     for _ in range(STEPS):
         training.zero_gradients(model, optimizer)
-        train_step_forward_backward(model, batch, LOSS, algo_config, MICRO_BATCH)
+        train_step_forward_backward(model, batch, get_algorithm(LOSS).policy_loss, algo_config, MICRO_BATCH)
         training.optimizer_step(model, optimizer)
     gc.collect()
     result = {

@@ -44,7 +44,7 @@ def _step(ddp, optimizer, step):
     share = 8 // parallel.dp_size()
     rows = slice(parallel.dp_rank() * share, (parallel.dp_rank() + 1) * share)
     training.zero_gradients(ddp, optimizer)
-    train_step_forward_backward(ddp, {k: v[rows] for k, v in batch.items()}, "gspo",
+    train_step_forward_backward(ddp, {k: v[rows] for k, v in batch.items()}, get_algorithm("gspo").policy_loss,
                                 get_algorithm("gspo").config_cls(beta=0.0), 2)
     training.optimizer_step(ddp, optimizer)
 

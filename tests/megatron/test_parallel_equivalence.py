@@ -66,10 +66,10 @@ def _algo_config(algorithm):
     return get_algorithm(algorithm).config_cls(beta=0.01)
 
 
-def _loss_name(algorithm):
-    from quatro_nemo.algos import ALGORITHMS
+def _policy_loss(algorithm):
+    from quatro_nemo.algos import get_algorithm
 
-    return ALGORITHMS[algorithm][1]
+    return get_algorithm(algorithm).policy_loss
 
 
 def _make_batch(logprobs_now: torch.Tensor) -> dict:
@@ -99,7 +99,6 @@ def _make_batch(logprobs_now: torch.Tensor) -> dict:
 def _reference_loss_and_grads(model, batch, algorithm):
     """Plain single-process full-batch loss, metrics and gradients (no quatro_nemo.megatron code):
     every row at the full width, padding included."""
-    from quatro_nemo.algos import get_policy_loss
     from quatro_nemo.algos.aggregation import LossNormalizer
 
     tokens = batch["tokens"]
@@ -107,7 +106,7 @@ def _reference_loss_and_grads(model, batch, algorithm):
     log_softmax = torch.log_softmax(model(tokens, batch["position_ids"], None)[:, :-1], -1)
     logprobs = log_softmax.gather(-1, tokens[:, 1:, None])[..., 0]
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    loss, metrics = get_policy_loss(_loss_name(algorithm))(
+    loss, metrics = _policy_loss(algorithm)(
         logprobs, batch["old_logprobs"], batch["advantages"], batch["response_mask"],
         _algo_config(algorithm), LossNormalizer.from_mask(batch["response_mask"]),
         ref_logprobs=batch["ref_logprobs"], entropy=entropy.detach())
@@ -246,7 +245,7 @@ def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, 
         expected = ref["results"][loss_name]
         for micro_batch_size in micro_batch_sizes:
             ddp.zero_grad_buffer()
-            metrics = train_step_forward_backward(ddp, batch, loss_name, _algo_config(loss_name),
+            metrics = train_step_forward_backward(ddp, batch, _policy_loss(loss_name), _algo_config(loss_name),
                                                   micro_batch_size)
             where = f"{loss_name} tp={tensor_parallel} pp={pipeline_parallel} mbs={micro_batch_size}"
             _assert_step_matches(where, model, metrics, expected, covered)
@@ -260,7 +259,7 @@ def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, 
     losses = []
     for part, finalize in ((slice(0, half), False), (slice(half, None), True)):
         metrics = train_step_forward_backward(
-            ddp, {key: value[part] for key, value in batch.items()}, "quatro", _algo_config("quatro"),
+            ddp, {key: value[part] for key, value in batch.items()}, _policy_loss("quatro"), _algo_config("quatro"),
             1, normalizer=normalizer, finalize_grads=finalize)
         losses.append(metrics["loss"])
     expected = ref["results"]["quatro"]
@@ -277,7 +276,7 @@ def _parallel_rank(rank, tensor_parallel, pipeline_parallel, micro_batch_sizes, 
     optimizer = training.build_optimizer(fresh_ddp, training.OptimizerSettings(
         lr=ADAM_LR, adam_eps=ADAM_EPS, weight_decay=0.0, grad_clip=0.0))
     training.zero_gradients(fresh_ddp, optimizer)
-    train_step_forward_backward(fresh_ddp, batch, "quatro", _algo_config("quatro"), micro_batch_sizes[0])
+    train_step_forward_backward(fresh_ddp, batch, _policy_loss("quatro"), _algo_config("quatro"), micro_batch_sizes[0])
     grad_norm = training.optimizer_step(fresh_ddp, optimizer)
     reference_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in expected["grads"].values()))
     _assert_close("grad norm", grad_norm, reference_norm)
@@ -339,7 +338,7 @@ def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, mic
     for algorithm in ALGORITHMS:
         ddp.zero_grad_buffer()
         forward_calls.clear()
-        metrics = train_step_forward_backward(ddp, batch, _loss_name(algorithm), _algo_config(algorithm),
+        metrics = train_step_forward_backward(ddp, batch, _policy_loss(algorithm), _algo_config(algorithm),
                                               batching)
         where = f"{algorithm} tp={tensor_parallel} pp={pipeline_parallel} max_tokens={max_tokens}"
         _assert_step_matches(where, model, metrics, ref["results"][algorithm], covered)
@@ -387,7 +386,7 @@ def _qwen2_rank(rank, tensor_parallel, pipeline_parallel, path):
 
     covered = set()
     ddp = training.wrap_for_training(model, distributed_optimizer=False)
-    metrics = train_step_forward_backward(ddp, ref["batch"], "quatro", _algo_config("quatro"), 4)
+    metrics = train_step_forward_backward(ddp, ref["batch"], _policy_loss("quatro"), _algo_config("quatro"), 4)
     _assert_step_matches("qwen2 quatro tp=2 pp=2", model, metrics, ref["qwen2"]["quatro"], covered)
     _assert_every_parameter_compared(covered, ref["qwen2"]["state"])
 

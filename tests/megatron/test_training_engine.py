@@ -33,7 +33,7 @@ def _bf16_master_weights_rank(rank, result_path):
     config = get_algorithm("gspo").config_cls(beta=0.0)
     for _ in range(STEPS):
         training.zero_gradients(ddp, optimizer)
-        train_step_forward_backward(ddp, batch, "gspo", config, 4)
+        train_step_forward_backward(ddp, batch, get_algorithm("gspo").policy_loss, config, 4)
         training.optimizer_step(ddp, optimizer)
     after = gather_full_state_dict(model)
     torch.save({"before": before, "after": after}, result_path)
