@@ -65,6 +65,7 @@ def main(argv) -> int:
 
     from quatro_nemo.study.driver import collect_sweep, emit_sweep, run_study, write_report
     from quatro_nemo.study.plan import build_plan
+    from quatro_nemo.study.runner import StudyInterrupted
     try:
         if args.estimate:
             from quatro_nemo.study.timing import estimate_minutes
@@ -81,6 +82,9 @@ def main(argv) -> int:
             result = write_report(cfg, build_plan(cfg), out, out, previous_info(out))
         else:
             result = run_study(cfg, out)
+    except StudyInterrupted as stop:
+        print(f"study stopped: {stop}; the same command continues it", file=sys.stderr)
+        return 75
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from quatro_nemo.study.config import QUATRO, StudyConfig
 from quatro_nemo.study.evaluation import STUDY_EVAL, evaluate_base
 from quatro_nemo.study.plan import RunSpec, StudyPlan, build_plan, sweep_line, sweep_lines, train_args
 from quatro_nemo.study.report import write_study_report
-from quatro_nemo.study.runner import execute, is_done, is_trained, prewarm, run_dir
+from quatro_nemo.study.runner import RunResult, StudyInterrupted, execute, is_done, is_trained, prewarm, run_dir
 
 
 def evaluation_args(cfg: StudyConfig, full: bool) -> List[str]:
@@ -97,12 +97,20 @@ INVOCATIONS_FILE = "invocations.jsonl"
 
 
 def record_invocation(out_dir: str, minutes: float, runs_executed: int,
-                      run_seconds: Optional[Dict[str, List[float]]] = None) -> Dict[str, float]:
+                      run_seconds: Optional[Dict[str, List[float]]] = None,
+                      runs_started: Optional[int] = None, interrupted: bool = False) -> Dict[str, float]:
     """Append this invocation to ``<out>/invocations.jsonl`` (with each executed run's [wall, CPU]
-    seconds, for :mod:`quatro_nemo.study.timing`); returns :func:`invocation_totals`."""
+    seconds, for :mod:`quatro_nemo.study.timing`); returns :func:`invocation_totals`.
+    ``runs_started`` (default: ``runs_executed``) counts runs it trained at all, finished or not:
+    an interrupted invocation that trained runs costs wall time too."""
+    record = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": round(minutes, 2),
+              "runs_executed": runs_executed,
+              "runs_started": runs_executed if runs_started is None else runs_started,
+              "run_seconds": run_seconds or {}}
+    if interrupted:
+        record["interrupted"] = True
     with open(os.path.join(out_dir, INVOCATIONS_FILE), "a", encoding="utf-8") as f:
-        f.write(json.dumps({"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": round(minutes, 2),
-                            "runs_executed": runs_executed, "run_seconds": run_seconds or {}}) + "\n")
+        f.write(json.dumps(record) + "\n")
     return invocation_totals(out_dir)
 
 
@@ -113,7 +121,7 @@ def invocation_totals(out_dir: str) -> Dict[str, float]:
     path = os.path.join(out_dir, INVOCATIONS_FILE)
     if not os.path.exists(path):
         return {}
-    training = [r for _, r in iter_jsonl(path) if r["runs_executed"] > 0]
+    training = [r for _, r in iter_jsonl(path) if r.get("runs_started", r["runs_executed"]) > 0]
     return {"total_wall_minutes": sum(r["minutes"] for r in training), "training_invocations": len(training)}
 
 
@@ -130,14 +138,20 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
     if pending:
         prewarm(base)   # the warm-start cache once, not in every concurrent run
     ensure_base_evaluation(cfg, out_dir, log)
-    results = execute(list(plan.runs.values()), out_dir, base, cfg.workers, log=log,
-                      evaluation_args=lambda spec: evaluation_args(cfg, plan.needs_full_evaluation(spec)))
+    try:
+        results = execute(list(plan.runs.values()), out_dir, base, cfg.workers, log=log,
+                          evaluation_args=lambda spec: evaluation_args(cfg, plan.needs_full_evaluation(spec)))
+    except StudyInterrupted as stop:
+        totals = record_invocation(out_dir, (time.time() - started) / 60.0, _count_done(stop.results),
+                                   _run_seconds(stop.results), runs_started=stop.runs_started, interrupted=True)
+        log(f"[study] interrupted; {totals.get('total_wall_minutes', 0):.1f} min so far over "
+            f"{totals.get('training_invocations', 0)} invocation(s); run the same command to continue")
+        raise
     failed = [r.name for r in results if r.status == "failed"]
     info = {"wall_minutes": (time.time() - started) / 60.0, "failed_runs": failed,
-            "runs_executed": sum(r.status == "done" for r in results),
+            "runs_executed": _count_done(results),
             "runs_skipped": sum(r.status == "skipped" for r in results)}
-    run_seconds = {r.name: [round(r.seconds, 2), round(r.cpu_seconds, 2)] for r in results if r.status == "done"}
-    info.update(record_invocation(out_dir, info["wall_minutes"], info["runs_executed"], run_seconds))
+    info.update(record_invocation(out_dir, info["wall_minutes"], info["runs_executed"], _run_seconds(results)))
     archive_runs({name: run_dir(out_dir, name) for name in plan.runs}, out_dir)
     out = write_report(cfg, plan, out_dir, out_dir, info)
     minutes, total = info["wall_minutes"], info["total_wall_minutes"]
@@ -147,6 +161,15 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
         + (f"; {len(failed)} failed run(s): {failed}" if failed else "") + ")")
     out["info"] = info
     return out
+
+
+def _count_done(results: List[RunResult]) -> int:
+    return sum(r.status == "done" for r in results)
+
+
+def _run_seconds(results: List[RunResult]) -> Dict[str, List[float]]:
+    """Each run executed to the end: [wall, CPU] seconds (the timing model's input)."""
+    return {r.name: [round(r.seconds, 2), round(r.cpu_seconds, 2)] for r in results if r.status == "done"}
 
 
 def emit_sweep(cfg: StudyConfig, path: str) -> int:

@@ -114,11 +114,21 @@ def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], w
         for process, handle, _ in active.values():
             process.wait()
             handle.close()
-        raise
+        raise StudyInterrupted(results, runs_started=total - len(pending)) from None
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return results
+
+
+class StudyInterrupted(KeyboardInterrupt):
+    """SIGTERM / Ctrl-C stopped :func:`execute`: ``results`` of the runs finished before it and
+    the number of runs it had started (their partial training resumes in the next invocation),
+    so the caller can still record what this invocation cost."""
+
+    def __init__(self, results: List[RunResult], runs_started: int):
+        super().__init__(f"study interrupted after starting {runs_started} run(s)")
+        self.results, self.runs_started = results, runs_started
 
 
 def _interrupt(signum, _frame) -> None:

@@ -16,6 +16,8 @@ STANDIN = textwrap.dedent('''
     run_dir = args["run.dir"]
     if args.get("fail") == "yes":
         sys.exit(3)
+    if args.get("slow") == "yes":
+        import time; time.sleep(60)
     with open(os.path.join(run_dir, "seen.json"), "w") as f:
         json.dump({"master_port": os.environ.get("MASTER_PORT"), "threads": os.environ.get("OMP_NUM_THREADS"),
                    "args": sys.argv[1:]}, f)
@@ -91,3 +93,33 @@ def test_invocations_total_the_wall_time_of_those_that_trained(tmp_path):
     lines = [json.loads(line) for line in open(tmp_path / INVOCATIONS_FILE)]
     assert [r["runs_executed"] for r in lines] == [63, 0, 38]
     assert lines[-1]["run_seconds"] == {"quatro-s1": [61.5, 58.0]}
+
+
+def test_an_interrupted_study_reports_what_it_finished_and_its_cost_is_counted(tmp_path, monkeypatch):
+    # SIGTERM while runs train: execute stops the runs and raises StudyInterrupted with the
+    # finished ones and how many it started; that invocation's wall time counts in the total
+    # even though it finished no run (the trainings it started resume next time).
+    import signal
+    import threading
+
+    from quatro_nemo.study.driver import invocation_totals, record_invocation
+
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    monkeypatch.setattr(runner, "TRAIN", str(script))
+    study_dir = str(tmp_path / "study")
+    specs = [spec("quatro", 1), spec("gspo", 1, "slow=yes"), spec("grpo", 1, "slow=yes")]
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        runner.execute(specs, study_dir, ["config=config"], workers=2, log=lambda m: None, poll_s=0.05)
+        raise AssertionError("execute returned although SIGTERM arrived")
+    except runner.StudyInterrupted as stop:
+        assert [r.name for r in stop.results] == [specs[0].name] and stop.results[0].status == "done"
+        assert stop.runs_started == 3          # quatro finished, then gspo and grpo were training
+    finally:
+        timer.cancel()
+    assert signal.getsignal(signal.SIGTERM) is not runner._interrupt    # the handler is restored
+    record_invocation(study_dir, 2.5, 0, runs_started=2, interrupted=True)
+    record_invocation(study_dir, 4.0, 3)
+    assert invocation_totals(study_dir) == {"total_wall_minutes": 6.5, "training_invocations": 2}
