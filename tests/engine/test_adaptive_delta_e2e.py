@@ -8,7 +8,10 @@ from .test_train_e2e import assert_same_records, finish, train_records
 
 pytestmark = pytest.mark.slow
 
-ADAPTIVE = ["algorithm.delta_controller=kl", "algorithm.delta_controller_target=0.02",
+# A longer warm-start and 8 responses per prompt than TINY's, so that most steps have groups with
+# unequal rewards (with TINY's 40-step base model every graded reward is 0 and nothing is measured).
+ADAPTIVE = ["warmstart.steps=800", "rollout.n=8", "parallel.micro_batch_size=32",
+            "algorithm.delta_controller=kl", "algorithm.delta_controller_target=0.02",
             "algorithm.delta_per_query=reward_variance", "task.reward=graded", "trainer.inner_loops=2",
             "trainer.mini_batch_prompts=4", "trainer.lr=3e-3", "eval.num_problems=0"]
 
@@ -28,9 +31,11 @@ def test_controller_resumes_bit_identically_through_the_checkpoint(tmp_path, tin
     following = [r["quatro/delta_controller"] for r in records]
     assert used[0] == 0.1                       # algorithm.delta, the controller's start
     assert used[1:] == following[:-1]           # each step uses the radius the previous one set
-    assert len(set(used)) == len(used)          # the controller acted every step
+    assert used[2] != 0.1                       # the resumed step 3 used the checkpointed radius
+    assert len(set(used)) >= 3                  # the controller acted on several steps
     for r in records:
-        assert r["quatro/achieved_kl"] > 0.0
+        if "quatro/achieved_kl" in r:           # absent on a step whose groups were all constant
+            assert r["quatro/achieved_kl"] > 0.0
         assert r["quatro/delta/max"] <= r["quatro/delta_used"] + 1e-12   # variance rule: delta_q <= delta
         assert r["quatro/tr_inactive_frac"] == 0.0
         assert 0.0 <= r["reward/mean"] <= 1.0
