@@ -145,3 +145,18 @@ def test_no_broken_fixed_delta_leaves_stability_untested(tmp_path):
     assert claims["stable_controller"].verdict == NOT_TESTED
     assert "no fixed delta broke" in claims["stable_controller"].note
     assert claims["frontier_controller"].verdict in (NOT_REPRODUCED, INCONCLUSIVE)
+
+
+def test_wall_time_estimate_costs_the_adaptive_runs(tmp_path):
+    from quatro_nemo.study.timing import estimate_minutes
+
+    from .test_timing import made_up_timed_study
+
+    made_up_timed_study(tmp_path)
+    estimate = estimate_minutes(load_study_config("adaptive"), str(tmp_path))
+    # 108 runs of 60 steps at 1 s + 4.5 s overhead; evaluations at 2 + 0.05 s per sample: the 36
+    # default-condition runs 64 x 64 samples (one top-p), the 72 stress runs 64 x 32; the base model alone
+    runs = 108 * (4.5 + 60 * 1.0 + 2.0) + 36 * 0.05 * 4096 + 72 * 0.05 * 2048
+    base = 2.0 + 0.05 * 4096
+    assert estimate["runs"] == 108
+    assert estimate["estimated_minutes"] == pytest.approx((runs / 2 + base) / 60, abs=0.05)
