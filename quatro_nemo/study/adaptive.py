@@ -28,12 +28,9 @@ the base model as a star) and the controller's radius over training.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
-
-import numpy as np
+from typing import Any, Dict, List, Optional, Tuple
 
 from quatro_nemo.algos.config import QuatroConfig
 from quatro_nemo.rewards.countdown import REWARD_KINDS

@@ -212,8 +212,8 @@ def _build(cls: type, values: Dict[str, Any], prefix: str) -> Any:
     if unknown:
         raise StudyConfigError(f"unknown key(s) {[prefix + k for k in unknown]}; known: {sorted(known)}")
     kwargs = {}
+    nested = _nested()
     for key, value in values.items():
-        nested = _nested()
         if key in nested and cls is StudyConfig:
             if not isinstance(value, dict):
                 raise StudyConfigError(f"{key} must be a mapping, got {value!r}")
