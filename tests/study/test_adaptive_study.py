@@ -33,7 +33,7 @@ def test_the_committed_config_plans_every_arm_once_and_each_composes():
     default = load_config(train_args(cfg))
     conditions = {DEFAULT_CONDITION: (default.trainer.inner_loops, 1.0), "lr4": (1, 4.0), "K4": (4, 1.0)}
     arms = {f"delta={d:g}": {"delta": d} for d in (0.02, 0.05, 0.1, 0.2)}
-    arms["controller"] = {"delta_controller": "kl", "delta_controller_target": 0.05}
+    arms["controller"] = {"delta_controller": "kl", "delta_controller_target": 0.015}
     arms["variance"] = {"delta_per_query": "reward_variance"}
     expected = {(task, k, m, arm, seed) for task in ("binary", "graded") for k, m in conditions.values()
                 for arm in arms for seed in (1, 2, 3)}
