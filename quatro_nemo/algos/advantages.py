@@ -10,6 +10,7 @@ from typing import Dict
 
 import torch
 
+from quatro_nemo.algos.adaptive_delta import per_query_delta
 from quatro_nemo.algos.config import GPGConfig, GroupBaselineConfig, QuatroConfig
 from quatro_nemo.algos.dual import check_rewards, solve_dual
 from quatro_nemo.algos.registry import register_advantage_estimator
@@ -54,9 +55,16 @@ def quatro_advantages(rewards: torch.Tensor, config: QuatroConfig) -> AdvantageO
 
     Metrics: lambda mean/min/max/p10/p50/p90 and mean achieved KL over the non-constant groups
     (0 when every group is constant), ``quatro/tr_inactive_frac`` and ``adv/constant_group_frac``
-    (fractions of all B groups), ``quatro/solver_iters``."""
+    (fractions of all B groups), ``quatro/solver_iters``. With an adaptive radius
+    (``config.adaptive_delta``, docs/quatro-math.md Sec. 7) the radius is ``config.delta`` (the
+    controller's, set by the loop) or the per-query ``delta_q`` of ``per_query_delta``, and
+    ``quatro/delta/{mean,min,max}`` over the non-constant groups are added."""
     _check_config(config, QuatroConfig, "quatro")
-    sol = solve_dual(rewards, config.delta, lambda_min=config.lambda_min, max_iter=config.solver_max_iter)
+    delta = config.delta
+    if config.delta_per_query == "reward_variance":
+        delta = per_query_delta(rewards, config.delta, config.delta_variance_ref, config.delta_cap_fraction,
+                                config.lambda_min)
+    sol = solve_dual(rewards, delta, lambda_min=config.lambda_min, max_iter=config.solver_max_iter)
     advantages = sol.advantages.to(_output_dtype(rewards))
     informative = ~sol.constant
     lam = sol.lam[informative]
@@ -73,6 +81,12 @@ def quatro_advantages(rewards: torch.Tensor, config: QuatroConfig) -> AdvantageO
     for q, value in zip(LAMBDA_QUANTILES, quantiles):
         metrics[f"quatro/lambda/p{int(round(q * 100))}"] = value
     metrics["quatro/kl/mean"] = (sol.kl * informative).sum() / informative.sum().clamp_min(1)
+    if config.adaptive_delta:
+        radii = torch.as_tensor(delta, dtype=torch.float64).expand(sol.kl.shape)[informative]
+        if radii.numel() == 0:
+            radii = torch.full((1,), float(config.delta), dtype=torch.float64)
+        metrics.update({"quatro/delta/mean": radii.mean(), "quatro/delta/min": radii.min(),
+                        "quatro/delta/max": radii.max()})
     return AdvantageOutput(advantages=advantages, metrics=metrics)
 
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from quatro_nemo.algos.adaptive_delta import DELTA_CONTROLLERS, PER_QUERY_RULES
 from quatro_nemo.algos.dual import DEFAULT_LAMBDA_MIN
 from quatro_nemo.algos.kl import K3_CLAMP
 
@@ -240,6 +241,22 @@ class QuatroConfig(AlgorithmConfig):
     log_ratio_clamp: optional upper clamp on log s_i before exp (safety, off by default).
     clip_low / clip_high: optional GSPO-style clip of s_i; both None (default) or both set.
     solver_max_iter: cap on the dual solver's passes over the rewards, per phase (solve_dual's max_iter).
+
+    Adaptive radius (issue 19, ``adaptive_delta.py``, docs/quatro-math.md Sec. 7); both off by
+    default, which is the paper's fixed delta:
+    delta_controller:            ``off`` | ``kl``: adapt the global delta between rollout steps so the
+                                 achieved trust-region KL of the update stays on ``..._target``
+                                 (``DeltaController``; delta is then its starting value).
+    delta_controller_target:     the achieved KL to hold (> 0). 0.015: what the paper's delta = 0.1
+                                 achieves at the CPU default's lr on the binary task (measured,
+                                 docs/quatro-math.md Sec. 7.1).
+    delta_controller_gain:       exponent of the multiplicative update, in (0, 2).
+    delta_controller_max_factor: largest change of delta per step (> 1).
+    delta_controller_min / _max: bounds on delta (0 < min < max).
+    delta_per_query:             ``off`` | ``reward_variance``: delta_q = delta * Var_q(R) / delta_variance_ref,
+                                 capped at delta_cap_fraction of the KL the solver can reach (``per_query_delta``).
+    delta_variance_ref:          reward variance that gets the full delta (0.25: a 0/1 group at p = 1/2).
+    delta_cap_fraction:          in (0, 1): keeps each per-query constraint binding.
     """
 
     delta: float = 0.1
@@ -250,11 +267,21 @@ class QuatroConfig(AlgorithmConfig):
     clip_high: Optional[float] = None
     loss_agg_mode: str = "seq-mean-token-mean"
     solver_max_iter: int = 100
+    delta_controller: str = "off"
+    delta_controller_target: float = 0.015
+    delta_controller_gain: float = 0.5
+    delta_controller_max_factor: float = 2.0
+    delta_controller_min: float = 0.001
+    delta_controller_max: float = 1.0
+    delta_per_query: str = "off"
+    delta_variance_ref: float = 0.25
+    delta_cap_fraction: float = 0.9
 
     def validate(self) -> None:
         super().validate()
         owner = type(self).__name__
         _check_number(owner, "delta", self.delta, positive=True)
+        self._validate_adaptive_delta(owner)
         _check_number(owner, "lambda_min", self.lambda_min, positive=True)
         _check_choice(owner, "log_ratio", self.log_ratio, QUATRO_LOG_RATIOS)
         _check_number(owner, "log_ratio_clamp", self.log_ratio_clamp, positive=True, optional=True)
@@ -265,3 +292,28 @@ class QuatroConfig(AlgorithmConfig):
         if isinstance(self.solver_max_iter, bool) or not isinstance(self.solver_max_iter, int) \
                 or self.solver_max_iter < 1:
             raise ValueError(f"{owner}.solver_max_iter must be a positive integer, got {self.solver_max_iter!r}")
+
+    def _validate_adaptive_delta(self, owner: str) -> None:
+        _check_choice(owner, "delta_controller", self.delta_controller, DELTA_CONTROLLERS)
+        _check_number(owner, "delta_controller_target", self.delta_controller_target, positive=True)
+        _check_number(owner, "delta_controller_gain", self.delta_controller_gain, positive=True)
+        if self.delta_controller_gain >= 2:
+            raise ValueError(f"{owner}.delta_controller_gain must be in (0, 2), got {self.delta_controller_gain!r}")
+        _check_number(owner, "delta_controller_max_factor", self.delta_controller_max_factor, positive=True)
+        if self.delta_controller_max_factor <= 1:
+            raise ValueError(f"{owner}.delta_controller_max_factor must be > 1, got {self.delta_controller_max_factor!r}")
+        _check_number(owner, "delta_controller_min", self.delta_controller_min, positive=True)
+        _check_number(owner, "delta_controller_max", self.delta_controller_max, positive=True)
+        if self.delta_controller_min >= self.delta_controller_max:
+            raise ValueError(f"{owner}.delta_controller_min ({self.delta_controller_min!r}) must be below "
+                             f"{owner}.delta_controller_max ({self.delta_controller_max!r})")
+        _check_choice(owner, "delta_per_query", self.delta_per_query, PER_QUERY_RULES)
+        _check_number(owner, "delta_variance_ref", self.delta_variance_ref, positive=True)
+        _check_number(owner, "delta_cap_fraction", self.delta_cap_fraction, positive=True)
+        if self.delta_cap_fraction >= 1:
+            raise ValueError(f"{owner}.delta_cap_fraction must be in (0, 1), got {self.delta_cap_fraction!r}")
+
+    @property
+    def adaptive_delta(self) -> bool:
+        """Whether either adaptive strategy is on (their metrics are logged only then)."""
+        return self.delta_controller != "off" or self.delta_per_query != "off"

@@ -149,21 +149,21 @@ def parse_steps(response: str) -> Optional[List[Step]]:
     return steps
 
 
-def is_correct(numbers: Sequence[int], target: int, response: str) -> bool:
-    """Whether ``response`` reaches ``target`` from ``numbers`` under the task's rules.
+def final_value(numbers: Sequence[int], response: str) -> Optional[int]:
+    """The value a valid ``response`` reaches from ``numbers``, or None if it breaks a rule.
 
     Each step's operands must be available (given numbers or earlier results, each usable once),
-    its written result must equal ``a op b`` exactly, every result but the last must be used by a
-    later step (no dead steps), and the last result must equal ``target``.
+    its written result must equal ``a op b`` exactly, and every result but the last must be used by
+    a later step (no dead steps); the last step's result is the value.
     """
     steps = parse_steps(response)
     if steps is None:
-        return False
+        return None
     given = list(numbers)  # given numbers not used yet
     results: List[int] = []  # results produced and not used yet
     for a, op, b, c in steps:
         if apply_operator(a, op, b) != c:
-            return False
+            return None
         for operand in (a, b):
             # Taking a result before an equal given number is never worse: the values left are
             # the same, and fewer unused results remain.
@@ -172,9 +172,35 @@ def is_correct(numbers: Sequence[int], target: int, response: str) -> bool:
             elif operand in given:
                 given.remove(operand)
             else:
-                return False
+                return None
         results.append(c)
-    return results == [target]
+    return results[0] if len(results) == 1 else None
+
+
+def is_correct(numbers: Sequence[int], target: int, response: str) -> bool:
+    """Whether ``response`` reaches ``target`` from ``numbers`` under the task's rules
+    (:func:`final_value` is the target)."""
+    return final_value(numbers, response) == target
+
+
+def graded_reward(numbers: Sequence[int], target: int, response: str, partial_credit: float) -> float:
+    """The graded reward of a response (issue 19), in [0, 1]:
+
+        1                                              the value is the target (exactly when is_correct)
+        partial_credit * max(0, 1 - |v - target| / target)  a valid response that reaches v != target
+        0                                              unparsable, wrong arithmetic, numbers not given
+                                                       (or reused), dead steps
+
+    An inexact value earns at most ``partial_credit * (1 - 1 / target)`` < partial_credit, so an
+    exact answer is always the group's unique best reward level; credit falls linearly with the
+    relative distance to the target and is 0 from twice the target (or 0) on.
+    """
+    value = final_value(numbers, response)
+    if value is None:
+        return 0.0
+    if value == target:
+        return 1.0
+    return partial_credit * max(0.0, 1.0 - abs(value - target) / target)
 
 
 def canonical_expression(response: str) -> Optional[str]:

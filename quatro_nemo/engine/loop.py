@@ -22,6 +22,7 @@ CUDA).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -36,7 +37,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from quatro_nemo.algos import ShapedGroups, get_algorithm
+from quatro_nemo.algos import QuatroConfig, ShapedGroups, get_algorithm
+from quatro_nemo.algos.adaptive_delta import DeltaController, achieved_kl
 from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy
@@ -193,23 +195,27 @@ def build_training_state(policy, trainer, distributed_optimizer: bool):
 @dataclass
 class RolloutLearning:
     """What :func:`learn_from_rollout` returns: the estimator's output (``advantages`` [B, N] and
-    its metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], and the
-    ``time.perf_counter()`` at which the log-prob passes ended."""
+    its metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], the
+    ``time.perf_counter()`` at which the log-prob passes ended, and, when asked for, the updated
+    policy's trajectory log-ratios ``log pi_theta(o_i) / pi_old(o_i)`` [S_local] (adaptive delta)."""
 
     advantages: Any
     metrics: List[Dict[str, float]]
     old_entropy: torch.Tensor
     t_logprobs: float
+    policy_shift: Any = None
 
 
 def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
-                       groups: ShapedGroups, slots: List[int], optimizer_steps_done: int) -> RolloutLearning:
+                       groups: ShapedGroups, slots: List[int], optimizer_steps_done: int,
+                       measure_policy_shift: bool = False) -> RolloutLearning:
     """Steps 4-6 of a training step on this rank's rollout, shared by :func:`train` and
     ``benchmarks/bench_step.py`` (which replays saved rollouts through it).
 
     ``groups``: the algorithm's data-side view of the global [B, N] rewards (:func:`shape_rewards`);
     ``slots``: this DP rank's global prompt positions (:func:`local_prompt_slots`). Collective over
-    all ranks.
+    all ranks. ``measure_policy_shift``: one more forward pass after the updates, for the
+    adaptive-delta controller (``RolloutLearning.policy_shift``).
     """
     n = cfg.rollout.n
     batching = MicroBatching.from_parallel_config(cfg.parallel)
@@ -234,7 +240,12 @@ def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, referenc
                                    rows_per_mini, batching, optimizer_steps_done)
     if update_metrics:
         backend.update_weights()
-    return RolloutLearning(advantage_out, update_metrics, old_entropy, t_logprobs)
+    policy_shift = None
+    if measure_policy_shift:
+        with torch.no_grad():
+            new_logprobs, _ = compute_logprobs(policy, batch, batching)
+        policy_shift = ((new_logprobs - batch["old_logprobs"]) * batch["response_mask"]).sum(dim=-1)
+    return RolloutLearning(advantage_out, update_metrics, old_entropy, t_logprobs, policy_shift)
 
 
 def train(cfg: ExperimentConfig) -> Dict[str, Any]:
@@ -281,6 +292,9 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     # A colocated rollout engine needs the device memory the optimizer state and gradients hold.
     offload_in_rollout = scale.offload_optimizer_in_rollout and rollout_cfg.backend == "vllm"
 
+    # QUATRO's adaptive-delta controller (None: the paper's fixed delta); its state is in the checkpoint.
+    delta_controller = DeltaController.from_config(cfg.algorithm) if isinstance(cfg.algorithm, QuatroConfig) else None
+
     # Resume (any parallel layout: the checkpoint is sharded by megatron's dist_checkpointing).
     ckpt_layout = ckpt.layout_signature(layout)
     start_step, optimizer_steps_done = 0, 0
@@ -288,6 +302,8 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     if resume_from is not None:
         position = ckpt.load_checkpoint(run_dir, resume_from, policy_ddp, optimizer, ckpt_layout)
         start_step, optimizer_steps_done = position["next_step"], position["optimizer_steps"]
+        if delta_controller is not None and "delta_controller" in position:
+            delta_controller.load_state_dict(position["delta_controller"])
     logger = MetricsLogger(run_dir, enabled=rank0, resumed_step=resume_from, tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                            config=OmegaConf.to_container(cfg.raw, resolve=True))
@@ -337,14 +353,23 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
                                         rollout_cfg.max_new_tokens)
 
         # 4-6. Advantages, log pi_old / log pi_ref, K inner loops of optimizer steps.
-        learned = learn_from_rollout(cfg, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
-                                     groups, slots, optimizer_steps_done)
+        step_cfg = cfg if delta_controller is None else dataclasses.replace(
+            cfg, algorithm=delta_controller.apply(cfg.algorithm))
+        learned = learn_from_rollout(step_cfg, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
+                                     groups, slots, optimizer_steps_done,
+                                     measure_policy_shift=delta_controller is not None)
         advantage_out, update_metrics, old_entropy = learned.advantages, learned.metrics, learned.old_entropy
         optimizer_steps_done += len(update_metrics)
         t_logprobs, t_update = learned.t_logprobs, time.perf_counter()
 
         # 7. Metrics (identical on every rank), checkpoint, evaluation.
         metrics = _step_metrics(rewards, advantage_out.metrics, update_metrics, rollout, old_entropy)
+        if delta_controller is not None:  # the next step's radius, from this step's achieved KL
+            shift = global_rewards(learned.policy_shift.view(len(problems), rollout_cfg.n).double(),
+                                   batch_size, mini_batch_size)
+            metrics["quatro/delta_used"] = delta_controller.delta
+            delta_controller.update(achieved_kl(shift, rewards))
+            metrics.update(delta_controller.metrics())
         metrics.update({"time/rollout": t_rollout - t_start,
                         "time/logprobs": t_logprobs - t_rollout, "time/update": t_update - t_logprobs,
                         "time/step": time.perf_counter() - t_start})
@@ -359,8 +384,10 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
             evaluate(step + 1)   # before the checkpoint: a resumed run never redoes a logged record
         preempted = preemption.any_rank_signalled()
         if done or preempted or (trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0):
-            ckpt.save_checkpoint(run_dir, step + 1, policy_ddp, optimizer,
-                                 {"next_step": step + 1, "optimizer_steps": optimizer_steps_done},
+            position = {"next_step": step + 1, "optimizer_steps": optimizer_steps_done}
+            if delta_controller is not None:
+                position["delta_controller"] = delta_controller.state_dict()
+            ckpt.save_checkpoint(run_dir, step + 1, policy_ddp, optimizer, position,
                                  ckpt_layout, keep=trainer.keep_checkpoints)
         if preempted and not done:
             logger.close()

@@ -4,6 +4,9 @@
 
 - `countdown`: the embedded CPU task (quatro_nemo.data.countdown). The base model comes from the
   cached supervised warm-start (quatro_nemo.engine.warmstart), the same in every parallel layout.
+  `task.reward` picks the verifier's reward: `binary` (default, exact answers) or `graded`
+  (partial credit by how close a valid answer gets to the target, `task.partial_credit`;
+  quatro_nemo.rewards.countdown).
 - `jsonl`: prompts from JSONL files of the project schema (recipes/prepare_data.py writes them),
   a Hugging Face tokenizer, a verifier by name (math, code, countdown) and a base model from a
   Hugging Face checkpoint (quatro_nemo.megatron.hf_conversion): the cluster configs.
@@ -72,8 +75,10 @@ def task_defaults(name: str) -> Dict[str, Any]:
         from quatro_nemo.data.countdown import CountdownTaskConfig
         from quatro_nemo.data.tokenizer import TokenizerConfig
 
+        from quatro_nemo.rewards.countdown import CountdownRewardConfig
+
         return dict(dataclasses.asdict(CountdownTaskConfig()), name="countdown",
-                    tokenizer=dataclasses.asdict(TokenizerConfig()))
+                    tokenizer=dataclasses.asdict(TokenizerConfig()), **dataclasses.asdict(CountdownRewardConfig()))
     if name == "jsonl":
         return dataclasses.asdict(JsonlTaskConfig())
     raise ValueError(f"task.name={name!r}: choose one of {sorted(_TASKS)}")
@@ -92,8 +97,13 @@ def build_countdown_task(cfg) -> Task:
     from quatro_nemo.data.tokenizer import CharTokenizer, TokenizerConfig
     from quatro_nemo.engine.warmstart import WarmStartConfig, load_or_train_base_model
 
-    options = {k: v for k, v in cfg.task.items() if k not in ("name", "tokenizer")}
+    from quatro_nemo.rewards.countdown import CountdownRewardConfig
+
+    # The reward is not part of the problems (nor of the warm-start's cache key): its own section.
+    reward_keys = {f.name for f in dataclasses.fields(CountdownRewardConfig)}
+    options = {k: v for k, v in cfg.task.items() if k not in ("name", "tokenizer") and k not in reward_keys}
     task_cfg = _section(options, countdown.CountdownTaskConfig, "task")
+    reward_cfg = CountdownRewardConfig(**{k: v for k, v in cfg.task.items() if k in reward_keys})
     tokenizer_cfg = _section(cfg.task.get("tokenizer") or {}, TokenizerConfig, "task.tokenizer")
     warm_cfg = _section(cfg.warmstart, WarmStartConfig, "warmstart")
     tokenizer = CharTokenizer(tokenizer_cfg)
@@ -112,7 +122,8 @@ def build_countdown_task(cfg) -> Task:
     properties = {"task": dataclasses.asdict(countdown.measure_task_properties(heldout)),
                   "warmstart": warm_report}
     return Task(
-        name="countdown", train_problems=train, heldout_problems=heldout, verifier=get_verifier("countdown"),
+        name="countdown", train_problems=train, heldout_problems=heldout,
+        verifier=get_verifier("countdown", **dataclasses.asdict(reward_cfg)),
         vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
         encode_prompt=lambda problem: tokenizer.encode_prompt(problem["prompt"]),
         decode_response=tokenizer.decode,

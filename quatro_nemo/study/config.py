@@ -13,6 +13,10 @@ A study is a list of training runs (recipes/train.py override sets) in four grou
 (:mod:`quatro_nemo.study.evaluation`); ``alpha`` the significance level of the Holm-corrected
 paired tests (:mod:`quatro_nemo.study.stats`).
 
+A study of ``kind: adaptive`` (issue 19) trains only its ``adaptive`` section instead: QUATRO's
+adaptive-delta strategies against a fixed-delta sweep on the binary and graded tasks, at the
+default and at stress settings (:mod:`quatro_nemo.study.adaptive`).
+
 ``train_overrides`` apply to every run (on top of conf/config.yaml, or of ``train_config``);
 they are where a study shrinks the CPU default (e.g. fewer steps in quick mode).
 """
@@ -144,6 +148,7 @@ class EvaluationConfig:
 @dataclass
 class StudyConfig:
     name: str = "study"
+    kind: str = "paper"                          # paper: the claims of the QUATRO paper; adaptive: issue 19
     description: str = ""                        # what this study's scale is; shown in the report
     train_config: str = "config"                 # primary training config (conf/<train_config>.yaml)
     train_overrides: List[str] = field(default_factory=list)   # key=value for every run
@@ -159,6 +164,7 @@ class StudyConfig:
     # last quarter of training (least-squares line through the mean over seeds)
     plateau_tolerance: float = 0.02
     time_budget_minutes: float = 150.0           # the target wall time, checked and reported
+    adaptive: Any = None                         # kind adaptive: quatro_nemo.study.adaptive.AdaptiveStudyConfig
 
     def validate(self) -> None:
         _check_algorithms("algorithms", self.algorithms)
@@ -182,9 +188,22 @@ class StudyConfig:
         self.ablation.validate()
         self.deltas.validate()
         self.evaluation.validate()
+        if self.kind not in STUDY_KINDS:
+            raise StudyConfigError(f"kind must be one of {list(STUDY_KINDS)}, got {self.kind!r}")
+        if (self.kind == "adaptive") != (self.adaptive is not None):
+            raise StudyConfigError("an adaptive section needs kind: adaptive, and kind: adaptive an adaptive section")
+        if self.adaptive is not None:
+            self.adaptive.validate()
 
 
-_NESTED = {"sweeps": SweepConfig, "ablation": AblationConfig, "deltas": DeltaConfig, "evaluation": EvaluationConfig}
+STUDY_KINDS = ("paper", "adaptive")
+
+
+def _nested() -> Dict[str, type]:
+    from quatro_nemo.study.adaptive import AdaptiveStudyConfig
+
+    return {"sweeps": SweepConfig, "ablation": AblationConfig, "deltas": DeltaConfig, "evaluation": EvaluationConfig,
+            "adaptive": AdaptiveStudyConfig}
 
 
 def _build(cls: type, values: Dict[str, Any], prefix: str) -> Any:
@@ -193,11 +212,12 @@ def _build(cls: type, values: Dict[str, Any], prefix: str) -> Any:
     if unknown:
         raise StudyConfigError(f"unknown key(s) {[prefix + k for k in unknown]}; known: {sorted(known)}")
     kwargs = {}
+    nested = _nested()
     for key, value in values.items():
-        if key in _NESTED and cls is StudyConfig:
+        if key in nested and cls is StudyConfig:
             if not isinstance(value, dict):
                 raise StudyConfigError(f"{key} must be a mapping, got {value!r}")
-            value = _build(_NESTED[key], value, f"{key}.")
+            value = _build(nested[key], value, f"{key}.")
         kwargs[key] = value
     return cls(**kwargs)
 

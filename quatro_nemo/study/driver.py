@@ -82,6 +82,10 @@ def archive_runs(run_dirs: Dict[str, str], study_dir: str) -> int:
 def write_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out_dir: str,
                  info: Dict[str, Any]) -> Dict[str, Any]:
     """Load the kept metrics of ``study_dir``, test the claims, write report.md / report.json / PNGs."""
+    if cfg.kind == "adaptive":
+        from quatro_nemo.study.adaptive import write_adaptive_report
+
+        return write_adaptive_report(cfg, plan, study_dir, out_dir, info)
     study = Study(cfg, plan, load_runs(study_dir, list(plan.runs)), load_base(study_dir))
     quatro = plan.defaults.algorithm_fields[QUATRO]
     n = load_config(train_args(cfg)).rollout.n

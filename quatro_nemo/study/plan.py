@@ -23,10 +23,13 @@ class Setting:
     inner_loops: int
     lr_multiplier: float
     algo_overrides: Tuple[Tuple[str, Any], ...] = ()   # sorted (field, value), non-default only
+    task_overrides: Tuple[str, ...] = ()               # key=value of the task section (e.g. task.reward=graded)
 
     @property
     def label(self) -> str:
         extra = "".join(f"-{key}_{value}" for key, value in self.algo_overrides)
+        extra += "".join("-{}_{}".format(key.rsplit(".", 1)[-1], value)
+                         for key, value in (item.split("=", 1) for item in self.task_overrides))
         return f"{self.algorithm}-K{self.inner_loops}-lr{self.lr_multiplier:g}x{extra}"
 
 
@@ -72,20 +75,20 @@ def read_defaults(cfg: StudyConfig, algorithms: Sequence[str]) -> Defaults:
 
 
 def make_setting(defaults: Defaults, algorithm: str, inner_loops: Optional[int] = None,
-                 lr_multiplier: float = 1.0, **algo_overrides: Any) -> Setting:
+                 lr_multiplier: float = 1.0, task_overrides: Tuple[str, ...] = (), **algo_overrides: Any) -> Setting:
     known = defaults.algorithm_fields[algorithm]
     for key in algo_overrides:
         if key not in known:
             raise ValueError(f"algorithm.{key} is not a field of {algorithm}'s config; known: {sorted(known)}")
     changed = tuple(sorted((k, v) for k, v in algo_overrides.items() if known[k] != v))
     return Setting(algorithm, defaults.inner_loops if inner_loops is None else int(inner_loops),
-                   float(lr_multiplier), changed)
+                   float(lr_multiplier), changed, tuple(task_overrides))
 
 
 def run_overrides(setting: Setting, seed: int, defaults: Defaults) -> Tuple[str, ...]:
     return (f"algorithm={setting.algorithm}", f"run.seed={seed}", f"trainer.inner_loops={setting.inner_loops}",
             f"trainer.lr={defaults.lr * setting.lr_multiplier!r}",
-            *(f"algorithm.{key}={value}" for key, value in setting.algo_overrides))
+            *(f"algorithm.{key}={value}" for key, value in setting.algo_overrides), *setting.task_overrides)
 
 
 @dataclass
@@ -103,6 +106,7 @@ class StudyPlan:
     ablation_seeds: List[int]
     deltas: Dict[float, Setting]                   # delta -> setting
     delta_seeds: List[int]
+    adaptive: Optional[Any] = None                 # an adaptive-delta study's part (study/adaptive.py)
 
     def runs_of(self, setting: Setting, seeds: Sequence[int]) -> List[RunSpec]:
         return [self.runs[RunSpec(setting, s, ()).name] for s in seeds]
@@ -111,10 +115,15 @@ class StudyPlan:
         """Main-comparison and delta runs are read at every k and top-p; a run only in the sweeps
         or the ablation is read for its held-out reward alone."""
         return ((spec.setting in self.compare.values() and spec.seed in self.seeds)
-                or (spec.setting in self.deltas.values() and spec.seed in self.delta_seeds))
+                or (spec.setting in self.deltas.values() and spec.seed in self.delta_seeds)
+                or (self.adaptive is not None and self.adaptive.needs_full_evaluation(spec)))
 
 
 def build_plan(cfg: StudyConfig) -> StudyPlan:
+    if cfg.kind == "adaptive":
+        from quatro_nemo.study.adaptive import build_adaptive_plan
+
+        return build_adaptive_plan(cfg, read_defaults(cfg, [QUATRO]))
     algorithms = sorted(set(cfg.algorithms) | set(cfg.sweeps.algorithms))
     defaults = read_defaults(cfg, algorithms)
     runs: Dict[str, RunSpec] = {}

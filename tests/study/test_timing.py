@@ -16,14 +16,21 @@ def timed_run(study_dir, name, optimizer_steps, step_s, samples_per_record, reco
     write_archive(archive_path(study_dir, name), train + evals)
 
 
+def made_up_timed_study(study_dir):
+    """Steps 1 s (any number of optimizer steps), evaluation 2 s + 0.05 s per sample, overhead 4.5 s.
+
+    a: alone on its CPU (wall = CPU): steps 1 s, evaluation 3 s of 20 samples, overhead 10-3-2 = 5
+    b: waited half the time (CPU = wall / 2): steps 2 s -> 1 s, evaluation 8 s -> 4 s of 40
+       samples, overhead 10 (CPU) - 4 - 2 = 4
+    """
+    timed_run(str(study_dir), "a", 4, 1.0, 20, 1, 3.0)
+    timed_run(str(study_dir), "b", 8, 2.0, 20, 2, 8.0)
+    (study_dir / INVOCATIONS_FILE).write_text(json.dumps({"runs_executed": 2, "minutes": 1.0,
+                                                          "run_seconds": {"a": [10.0, 10.0], "b": [20.0, 10.0]}}))
+
+
 def test_costs_are_fitted_on_cpu_time(tmp_path):
-    # a: alone on its CPU (wall = CPU): steps 1 s, evaluation 3 s of 20 samples, overhead 10-3-2 = 5
-    # b: waited half the time (CPU = wall / 2): steps 2 s -> 1 s, evaluation 8 s -> 4 s of 40
-    #    samples, overhead 10 (CPU) - 4 - 2 = 4
-    timed_run(str(tmp_path), "a", 4, 1.0, 20, 1, 3.0)
-    timed_run(str(tmp_path), "b", 8, 2.0, 20, 2, 8.0)
-    (tmp_path / INVOCATIONS_FILE).write_text(json.dumps({"runs_executed": 2, "minutes": 1.0,
-                                                         "run_seconds": {"a": [10.0, 10.0], "b": [20.0, 10.0]}}))
+    made_up_timed_study(tmp_path)
     costs = measured_costs(str(tmp_path))
     assert costs["step_s"] == pytest.approx(1.0) and costs["step_s_per_optimizer_step"] == pytest.approx(0.0, abs=1e-12)
     assert costs["eval_s_per_sample"] == pytest.approx((4.0 - 3.0) / (40 - 20))
