@@ -13,7 +13,7 @@ base model samples >= 3 distinct correct expressions per solved held-out prompt)
 
 Runs in one process (TP=1, PP=1); the full state dict is cached under
 ``<cache_dir>/<hash>.pt`` keyed by a hash of (task, tokenizer, model, warm-start) configs, so a
-run in any parallel layout loads the same base model (``models.load_full_state_dict``). A
+run in any parallel layout loads the same base model (``checkpoint.load_full_state_dict``). A
 distributed run calls :func:`load_or_train_base_model` on every rank: rank 0 trains in a clean
 subprocess if the cache is missing, the others wait for the file.
 
@@ -286,7 +286,8 @@ def measure_base_model(task: CountdownTaskConfig, tokenizer_config: TokenizerCon
     held-out problems, in this process (initialises megatron at TP=1, PP=1 and tears it down)."""
     from quatro_nemo.data.countdown import generate_split
     from quatro_nemo.engine.rollout import MegatronRolloutBackend
-    from quatro_nemo.megatron.models import build_model, load_full_state_dict
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
     from quatro_nemo.megatron.sampling import SamplingParams
 

@@ -271,11 +271,3 @@ def global_parameter_name(model, local_name: str) -> str:
         return local_name
     index = int(match.group("index")) + _layer_offset(model)
     return f"{match.group('prefix')}{index}{match.group('rest')}"
-
-
-def load_full_state_dict(model, full_state: Dict[str, torch.Tensor], strict: bool = True) -> None:
-    """Alias of :func:`quatro_nemo.megatron.checkpoint.load_full_state_dict` (the one
-    implementation), kept for callers that import it from here."""
-    from quatro_nemo.megatron.checkpoint import load_full_state_dict as load
-
-    load(model, full_state, strict=strict)

@@ -106,7 +106,8 @@ def _tiny_configs(cache_dir):
 
 def _load_and_forward(rank, tp, cache_dir, out_dir):
     from quatro_nemo.engine.warmstart import load_or_train_base_model
-    from quatro_nemo.megatron.models import build_model, load_full_state_dict
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
 
     task, tok, model_config, warm = _tiny_configs(cache_dir)

@@ -31,7 +31,8 @@ def _prompts(count: int, seed: int = 0):
 
 
 def _build(tp: int, pp: int, full_state=None):
-    from quatro_nemo.megatron.models import build_model, load_full_state_dict
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
 
     initialize_parallel(tp, pp, seed=11)
