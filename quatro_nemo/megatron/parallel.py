@@ -249,6 +249,39 @@ def last_stage_global_rank() -> int:
     return ps.get_pipeline_model_parallel_last_rank()
 
 
+def is_distributed() -> bool:
+    """Whether this process belongs to a torch.distributed process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Ranks in the default process group (1 without one)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
 def is_rank_zero() -> bool:
     """Global rank 0 (or no process group at all): the rank that writes logs and reports."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return global_rank() == 0
+
+
+def model_parallel_rng_states() -> Optional[dict]:
+    """States of megatron's model-parallel RNG tracker (seeded by :func:`initialize_parallel`);
+    None while it is not initialised."""
+    try:
+        from megatron.core import tensor_parallel
+
+        return tensor_parallel.get_cuda_rng_tracker().get_states()
+    except Exception:  # tracker not initialised (no model-parallel seed set)
+        return None
+
+
+def set_model_parallel_rng_states(states: dict) -> None:
+    """Restore states saved by :func:`model_parallel_rng_states`."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().set_states(states)

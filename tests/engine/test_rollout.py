@@ -13,10 +13,10 @@ from mcore_ranks import run_ranks  # noqa: E402
 
 from quatro_nemo.engine.rollout import (  # noqa: E402
     MegatronRolloutBackend,
-    build_rollout_backend,
     global_sequence_ids,
     pad_to_length,
 )
+from quatro_nemo.engine.rollout_backends import build_rollout_backend  # noqa: E402
 from quatro_nemo.megatron.sampling import SamplingParams  # noqa: E402
 
 
