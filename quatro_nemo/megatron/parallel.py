@@ -52,7 +52,8 @@ def standalone_environment() -> dict:
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it): a private rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -121,7 +122,7 @@ def initialize_parallel(
         else:
             # one process: a private rendezvous, without exporting MASTER_* to child processes
             world_size, rank = 1, 0
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = f"tcp://127.0.0.1:{free_port()}"
         if backend == "nccl":
             torch.cuda.set_device(local_cuda_device(rank))
         dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quatro_nemo.megatron.checkpoint import merge_shards, shard_tensor
-from tests.conversion.dist_helpers import run_ranks
+from tests.distributed import run_ranks
 from tests.conversion.megatron_helpers import forward_logits
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (tensor_parallel, pipeline_parallel) on 4 ranks
@@ -100,7 +100,7 @@ def _sharding_rank(rank: int, cfg_kwargs: dict, tokens: torch.Tensor) -> dict:
 @pytest.mark.parametrize("cfg_kwargs", [TINY_GPT, TINY_QWEN2], ids=["gpt-untied", "qwen2-gqa-tied"])
 def test_full_state_dict_roundtrip_and_logits_in_every_layout(tmp_path, cfg_kwargs):
     tokens = torch.randint(0, cfg_kwargs["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
-    results = run_ranks(_sharding_rank, 4, tmp_path, cfg_kwargs, tokens)
+    results = run_ranks(4, _sharding_rank, cfg_kwargs, tokens)
     reference_sd = results[0]["reference_sd"]
     reference_logits = results[0]["reference_logits"]
     assert reference_logits.shape == (2, 12, cfg_kwargs["vocab_size"])

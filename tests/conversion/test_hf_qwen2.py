@@ -16,7 +16,7 @@ from quatro_nemo.megatron.hf_conversion import (
     split_qkv,
     write_hf_checkpoint,
 )
-from tests.conversion.dist_helpers import run_ranks
+from tests.distributed import run_ranks
 from tests.conversion.megatron_helpers import forward_logits
 
 transformers = pytest.importorskip("transformers")
@@ -184,7 +184,7 @@ def test_megatron_logits_match_hf_at_tp1_and_tp2(tmp_path, tie, vocab):
     assert hf_logits.abs().max() > 1.0  # a scale at which a wrong mapping shows
     state = hf_state(model)
     model.save_pretrained(tmp_path / "hf")
-    results = run_ranks(_conversion_rank, 2, tmp_path, str(tmp_path / "hf"), tokens, str(tmp_path))
+    results = run_ranks(2, _conversion_rank, str(tmp_path / "hf"), tokens, str(tmp_path))
     for rank, result in enumerate(results):
         for tp in (1, 2):
             diff = (result[tp] - hf_logits).abs().max().item()

@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from mcore_ranks import run_ranks
+from tests.distributed import run_ranks
 
 LOSSES = ("quatro", "gspo", "dapo", "grpo")
 EMPTY_RESPONSE_ROWS = (3, 6)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
-from mcore_ranks import run_ranks
+from tests.distributed import run_ranks
 from quatro_nemo.megatron.sampling import SamplingParams, draw_tokens, top_p_filtered_probs
 
 EOS, PAD, VOCAB = 2, 0, 32
