@@ -250,6 +250,27 @@ def last_stage_global_rank() -> int:
     return ps.get_pipeline_model_parallel_last_rank()
 
 
+def previous_stage_global_rank() -> int:
+    """Global rank of the pipeline stage before this one (same TP/DP rank)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_prev_rank()
+
+
+def next_stage_global_rank() -> int:
+    """Global rank of the pipeline stage after this one (same TP/DP rank)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_next_rank()
+
+
+def model_parallel_initialized() -> bool:
+    """Whether megatron's model-parallel groups exist (:func:`initialize_parallel` ran)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.model_parallel_is_initialized()
+
+
 def is_distributed() -> bool:
     """Whether this process belongs to a torch.distributed process group."""
     return dist.is_available() and dist.is_initialized()
