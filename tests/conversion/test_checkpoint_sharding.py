@@ -61,8 +61,7 @@ def test_shard_tensor_rejects_indivisible():
 
 
 def _sharding_rank(rank: int, cfg_kwargs: dict, tokens: torch.Tensor) -> dict:
-    from megatron.core import parallel_state as ps
-
+    from quatro_nemo.megatron import parallel
     from quatro_nemo.megatron.checkpoint import gather_full_state_dict, load_full_state_dict
     from quatro_nemo.megatron.models import ModelConfig, build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
@@ -88,7 +87,7 @@ def _sharding_rank(rank: int, cfg_kwargs: dict, tokens: torch.Tensor) -> dict:
         with torch.no_grad():
             logits = forward_logits(model, tokens)
         gathered = gather_full_state_dict(model, vocab_size=reference_cfg.vocab_size)
-        first_replica = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+        first_replica = parallel.dp_rank() == 0 and parallel.tp_rank() == 0
         result["layouts"][(tp, pp)] = {
             "logits": logits if first_replica else None,
             "gathered": gathered,

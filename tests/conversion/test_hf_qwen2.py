@@ -153,8 +153,7 @@ def test_read_hf_checkpoint_names_missing_files(tmp_path):
 
 
 def _conversion_rank(rank: int, hf_dir: str, tokens: torch.Tensor, export_root: str) -> dict:
-    from megatron.core import parallel_state as ps
-
+    from quatro_nemo.megatron import parallel
     from quatro_nemo.megatron.hf_conversion import export_megatron_to_hf, load_hf_into_megatron
     from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
@@ -168,7 +167,7 @@ def _conversion_rank(rank: int, hf_dir: str, tokens: torch.Tensor, export_root: 
         load_hf_into_megatron(model, state, cfg)
         with torch.no_grad():
             logits = forward_logits(model, tokens)
-        export_megatron_to_hf(model, cfg, f"{export_root}/tp{tp}_dp{ps.get_data_parallel_rank()}",
+        export_megatron_to_hf(model, cfg, f"{export_root}/tp{tp}_dp{parallel.dp_rank()}",
                               base_config=hf_config)
         result[tp] = logits[..., : hf_config["vocab_size"]]
     return result
