@@ -111,7 +111,7 @@ def save_checkpoint(run_dir: str, step: int, ddp_model, optimizer, common: Dict[
         os.makedirs(os.path.join(partial, "rng"))
     barrier()
     dist_checkpoint.save_sharded(os.path.join(partial, SHARDS), ddp_model, optimizer, common)
-    torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{parallel.global_rank():03d}.pt"))
+    torch.save(rng_state(), _rng_path(partial))
     barrier()
     if parallel.global_rank() == 0:
         _atomic_write_text(os.path.join(partial, COMPLETE), json.dumps(
@@ -122,6 +122,11 @@ def save_checkpoint(run_dir: str, step: int, ddp_model, optimizer, common: Dict[
             shutil.rmtree(checkpoint_dir(run_dir, old), ignore_errors=True)
     barrier()
     return folder
+
+
+def _rng_path(folder: str) -> str:
+    """This rank's RNG states in a checkpoint folder."""
+    return os.path.join(folder, "rng", f"rank_{parallel.global_rank():03d}.pt")
 
 
 def _tied_embeddings(ddp_model) -> bool:
@@ -149,7 +154,7 @@ def load_checkpoint(run_dir: str, step: int, ddp_model, optimizer, layout: Dict[
             "parallel.pipeline=1, or untie them (model.tie_embeddings=false)")
     common = dist_checkpoint.load_sharded(os.path.join(folder, SHARDS), ddp_model, optimizer)
     if saved_layout(run_dir, step) == layout:
-        set_rng_state(torch.load(os.path.join(folder, "rng", f"rank_{parallel.global_rank():03d}.pt"), weights_only=False))
+        set_rng_state(torch.load(_rng_path(folder), weights_only=False))
     return common
 
 
