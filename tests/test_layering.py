@@ -1,8 +1,9 @@
 """The layering is a rule: import-linter checks the contracts of ``pyproject.toml``
 (``[tool.importlinter]``: the layers, algos without megatron, megatron-core only in the megatron
 layer and the NeMo-Aligner path, no import cycles), and two checks import-linter cannot express
-run here: no ``torch.distributed`` above the megatron layer (import-linter forbids only whole
-external packages), and recipes/ (scripts, not a package) importing only public quatro_nemo names."""
+run here: no ``torch.distributed`` above the megatron layer and megatron-core's parallel_state
+read only through ``quatro_nemo.megatron.parallel`` (import-linter forbids only whole external
+packages), and recipes/ (scripts, not a package) importing only public quatro_nemo names."""
 import ast
 import os
 import subprocess
@@ -59,6 +60,14 @@ def test_no_torch_distributed_above_the_megatron_layer(package):
                  for path in sorted((PACKAGE / package).rglob("*.py")) for line in _uses_torch_distributed(path)]
     assert not offenders, (f"quatro_nemo.{package} uses torch.distributed directly; call "
                            f"quatro_nemo.megatron.parallel / collectives instead: {offenders}")
+
+
+def test_only_megatron_parallel_reads_megatron_parallel_state():
+    """Ranks, sizes and groups come from quatro_nemo.megatron.parallel's wrappers."""
+    wrapper = PACKAGE / "megatron" / "parallel.py"
+    offenders = [f"{path.relative_to(REPO)}:{line}" for path in sorted(PACKAGE.rglob("*.py")) if path != wrapper
+                 for line, name in _imports(path) if name == "megatron.core.parallel_state"]
+    assert not offenders, f"use quatro_nemo.megatron.parallel instead: {offenders}"
 
 
 def _module_exists(dotted: str) -> bool:
