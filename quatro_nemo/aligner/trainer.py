@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from megatron.core import parallel_state as mcore_parallel_state
-
 from nemo_aligner.algorithms.reinforce import (
     ReinforceRolloutBatch,
     ReinforceTrainer,
@@ -42,6 +40,7 @@ from nemo_aligner.utils.parallel_state import is_trt_llm_reshard, trt_llm_reshar
 from nemo_aligner.utils.utils import cpu_dict
 from quatro_nemo.aligner.config import QuatroTrainerOptions, check_save_interval
 from quatro_nemo.aligner.rollouts import PROMPT_IDS, REWARDS, gather_rows, response_mask, shard_global_rollouts
+from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.preemption import Preempted, PreemptionFlag
 
 
@@ -133,9 +132,9 @@ class QuatroReinforceTrainer(ReinforceTrainer):
         """Every DP rank's rollouts, in rank order, on every rank (the parent's
         ``gather_and_balance_globally``, with a gather that also runs on gloo: ``rollouts.gather_rows``).
         With TRT-LLM resharding the pipeline groups generated separately and are gathered first."""
-        groups = [mcore_parallel_state.get_data_parallel_group()]
+        groups = [parallel.dp_group()]
         if is_trt_llm_reshard():
-            groups.insert(0, mcore_parallel_state.get_pipeline_model_parallel_group())
+            groups.insert(0, parallel.pp_group())
         gathered = {}
         for key, tensor in local_batch.items():
             for group in groups:

@@ -17,9 +17,40 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from quatro_nemo.data.schema import DatasetSource, validate_record
-from quatro_nemo.rewards.math_verifier import extract_boxed_answer
 
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+def extract_boxed_answer(text: str) -> Optional[str]:
+    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` in `text` (nested braces matched):
+    where the prompt asks for the final answer. Reads gold answers out of MATH solutions here and
+    responses in the math verifier (``quatro_nemo.rewards.math_verifier``).
+
+    ``\\boxed 5`` (no braces) gives the next whitespace-delimited token, as in Hendrycks' MATH
+    grader. Returns None when there is no complete box (e.g. an unclosed brace).
+    """
+    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    cmd = "\\boxed" if text.startswith("\\boxed", start) else "\\fbox"
+    pos = start + len(cmd)
+    if text.startswith(" ", pos) and not text[pos:].lstrip().startswith("{"):
+        rest = text[pos:].split()
+        return rest[0].rstrip("$.,") if rest else None
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    if pos >= len(text) or text[pos] != "{":
+        return None
+    depth = 0
+    for i in range(pos, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[pos + 1:i].strip()
+    return None
 
 
 def qwen_math_prompt(question: str) -> str:

@@ -29,22 +29,13 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from quatro_nemo.megatron import dist_checkpoint
+from quatro_nemo.megatron import dist_checkpoint, parallel
+from quatro_nemo.megatron.collectives import barrier
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 COMPLETE = "COMPLETE"
 SHARDS = "model_optim"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -65,12 +56,9 @@ def rng_state() -> Dict[str, Any]:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        from megatron.core import tensor_parallel
-
-        state["megatron_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    except Exception:  # tracker not initialised (no model-parallel seed set)
-        pass
+    tracker = parallel.model_parallel_rng_states()
+    if tracker is not None:
+        state["megatron_tracker"] = tracker
     return state
 
 
@@ -81,9 +69,7 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     if "megatron_tracker" in state:
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+        parallel.set_model_parallel_rng_states(state["megatron_tracker"])
 
 
 def layout_signature(layout) -> Dict[str, int]:
@@ -120,22 +106,27 @@ def save_checkpoint(run_dir: str, step: int, ddp_model, optimizer, common: Dict[
     RNG states for ``step``. Collective: every rank calls it. Returns the final folder."""
     folder = checkpoint_dir(run_dir, step)
     partial = folder + ".tmp"
-    if _rank() == 0:
+    if parallel.global_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)   # left by a run killed while saving
         os.makedirs(os.path.join(partial, "rng"))
-    _barrier()
+    barrier()
     dist_checkpoint.save_sharded(os.path.join(partial, SHARDS), ddp_model, optimizer, common)
-    torch.save(rng_state(), os.path.join(partial, "rng", f"rank_{_rank():03d}.pt"))
-    _barrier()
-    if _rank() == 0:
+    torch.save(rng_state(), _rng_path(partial))
+    barrier()
+    if parallel.global_rank() == 0:
         _atomic_write_text(os.path.join(partial, COMPLETE), json.dumps(
             {"step": step, "layout": layout, "tied_embeddings": _tied_embeddings(ddp_model)}))
         shutil.rmtree(folder, ignore_errors=True)    # an older save of the same step
         os.replace(partial, folder)
         for old in complete_steps(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(checkpoint_dir(run_dir, old), ignore_errors=True)
-    _barrier()
+    barrier()
     return folder
+
+
+def _rng_path(folder: str) -> str:
+    """This rank's RNG states in a checkpoint folder."""
+    return os.path.join(folder, "rng", f"rank_{parallel.global_rank():03d}.pt")
 
 
 def _tied_embeddings(ddp_model) -> bool:
@@ -163,7 +154,7 @@ def load_checkpoint(run_dir: str, step: int, ddp_model, optimizer, layout: Dict[
             "parallel.pipeline=1, or untie them (model.tie_embeddings=false)")
     common = dist_checkpoint.load_sharded(os.path.join(folder, SHARDS), ddp_model, optimizer)
     if saved_layout(run_dir, step) == layout:
-        set_rng_state(torch.load(os.path.join(folder, "rng", f"rank_{_rank():03d}.pt"), weights_only=False))
+        set_rng_state(torch.load(_rng_path(folder), weights_only=False))
     return common
 
 

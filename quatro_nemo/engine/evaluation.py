@@ -12,26 +12,18 @@ import os
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
-import torch.distributed as dist
 
 from quatro_nemo.eval.passk import pass_at_k, power_of_two_ks, ucc_at_k, unique_correct_ratio
 from quatro_nemo.eval.similarity import cluster_near_duplicates
 from quatro_nemo.engine.rollout import model_inputs
 from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.batching import MicroBatching
+from quatro_nemo.megatron.collectives import dp_all_gather_objects
 from quatro_nemo.megatron.compat import current_device
 from quatro_nemo.megatron.forward import compute_logprobs
 from quatro_nemo.megatron.sampling import SamplingParams
 
 EVAL_SEED_TAG = 7919  # separates the evaluation noise stream from the training one
-
-
-def _dp_all_gather_objects(obj: Any) -> List[Any]:
-    if parallel.dp_size() == 1:
-        return [obj]
-    out: List[Any] = [None] * parallel.dp_size()
-    dist.all_gather_object(out, obj, group=parallel.dp_group())
-    return out
 
 
 def cluster_sizes(problem: Dict[str, Any], correct_responses: Sequence[str], criterion: str,
@@ -85,7 +77,7 @@ def evaluate_policy(policy, backend, task, problems: Sequence[Dict[str, Any]], c
                          "num_correct": len(correct),
                          "cluster_sizes": cluster_sizes(problem, correct, ev.ucc_criterion, ev.ucc_threshold,
                                                         task.solution_key)})
-    gathered = _dp_all_gather_objects((rows, entropy_sum, token_count))
+    gathered = dp_all_gather_objects((rows, entropy_sum, token_count))
     rows = [row for part, _, _ in gathered for row in part]
     entropy_total = sum(e for _, e, _ in gathered)
     tokens_total = sum(t for _, _, t in gathered)

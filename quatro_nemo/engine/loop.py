@@ -34,7 +34,6 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from quatro_nemo.algos import QuatroConfig, ShapedGroups, get_algorithm
@@ -45,12 +44,14 @@ from quatro_nemo.engine.evaluation import evaluate_policy
 from quatro_nemo.engine.logging import MetricsLogger
 from quatro_nemo.engine.memory_plan import section_from_dict
 from quatro_nemo.engine.report import write_report
-from quatro_nemo.engine.rollout import build_rollout_backend, model_inputs
+from quatro_nemo.engine.rollout import model_inputs
+from quatro_nemo.engine.rollout_backends import build_rollout_backend
 from quatro_nemo.engine.task import Task, build_task
 from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel, training
 from quatro_nemo.megatron.compat import current_device
 from quatro_nemo.megatron.batching import MicroBatching
+from quatro_nemo.megatron.collectives import all_gather_objects, dp_all_gather, dp_sum, dp_sum_in_place
 from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
 from quatro_nemo.megatron.models import build_model
 from quatro_nemo.megatron.quiet import quiet_library_warnings
@@ -90,30 +91,12 @@ def local_prompt_slots(batch_size: int, mini_batch_size: int, dp_rank: int, dp_s
     return slots
 
 
-def all_gather_dp(tensor: torch.Tensor) -> List[torch.Tensor]:
-    """Every DP rank's `tensor` (same shape on all ranks), in DP-rank order."""
-    size = parallel.dp_size()
-    if size == 1:
-        return [tensor]
-    parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor.contiguous(), group=parallel.dp_group())
-    return parts
-
-
-def dp_sum(value: torch.Tensor) -> float:
-    """Sum of a scalar over data-parallel ranks."""
-    total = value.detach().double().reshape(1).clone().to(current_device())
-    if parallel.dp_size() > 1:
-        dist.all_reduce(total, group=parallel.dp_group())
-    return float(total)
-
-
 def global_rewards(local_rewards: torch.Tensor, batch_size: int, mini_batch_size: int) -> torch.Tensor:
     """[B, N] rewards in global prompt order from each DP rank's [B/dp, N] share (run device)."""
     dp = parallel.dp_size()
     local_rewards = local_rewards.to(current_device())
     out = torch.empty(batch_size, local_rewards.shape[1], dtype=local_rewards.dtype, device=local_rewards.device)
-    for rank, part in enumerate(all_gather_dp(local_rewards)):
+    for rank, part in enumerate(dp_all_gather(local_rewards)):
         out[local_prompt_slots(batch_size, mini_batch_size, rank, dp)] = part
     return out
 
@@ -418,8 +401,7 @@ def _step_metrics(rewards, advantage_metrics, update_metrics, rollout, old_entro
     mask = rollout.response_mask.to(old_entropy.device).float()  # every sampled token, filtered groups too
     local = torch.tensor([float((old_entropy * mask).sum()), float(mask.sum()), float(mask.shape[0])],
                          dtype=torch.float64, device=current_device())
-    if dist.is_initialized() and parallel.dp_size() > 1:
-        dist.all_reduce(local, group=parallel.dp_group())
+    dp_sum_in_place(local)
     out["entropy"] = float(local[0] / local[1].clamp(min=1))
     out["response_length/mean"] = float(local[1] / local[2])
     return out
@@ -438,11 +420,7 @@ def _write_run_files(cfg: ExperimentConfig, layout) -> None:
     os.makedirs(cfg.run.dir, exist_ok=True)
     me = dict(asdict(layout), host=socket.gethostname(), pid=os.getpid(),
               master=f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}")
-    everyone: List[Any] = [None] * layout.world_size
-    if dist.is_initialized():
-        dist.all_gather_object(everyone, me)
-    else:
-        everyone = [me]
+    everyone = all_gather_objects(me)
     if layout.rank == 0:
         OmegaConf.save(cfg.raw, os.path.join(cfg.run.dir, "config.yaml"))
         with open(os.path.join(cfg.run.dir, "world.json"), "w") as f:

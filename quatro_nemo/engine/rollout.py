@@ -11,8 +11,8 @@ sees :class:`RolloutBackend`; which engine samples is a config choice:
   colocated vLLM engine sized by the ``vllm:`` section; :meth:`RolloutBackend.update_weights`
   marks its weights stale and the next rollout pushes the trained weights into it.
 
-:func:`build_rollout_backend` builds the configured one, giving each backend exactly what its
-constructor declares.
+:func:`quatro_nemo.engine.rollout_backends.build_rollout_backend` builds the configured one,
+giving each backend exactly what its constructor declares.
 
 Determinism: the randomness of sequence ``g*N + j`` depends only on ``(params.seed, global prompt
 index, j)``, so the same global batch gives the same rollouts in every parallel layout and for
@@ -21,14 +21,11 @@ any split of the prompts across data-parallel ranks (pass each rank's ``first_pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, TYPE_CHECKING, List, Optional, Protocol, Sequence
+from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
 
 from quatro_nemo.megatron.sampling import SampleOutput, SamplingParams, generate
-
-if TYPE_CHECKING:
-    from quatro_nemo.engine.config import ExperimentConfig
 
 
 @dataclass
@@ -119,25 +116,6 @@ class MegatronRolloutBackend:
 
     def update_weights(self) -> None:
         """Nothing to do: the backend samples from the parameters being trained."""
-
-
-BACKENDS = ("megatron", "vllm")
-
-
-def build_rollout_backend(cfg: "ExperimentConfig", model, model_config, task) -> RolloutBackend:
-    """The backend ``cfg.rollout.backend`` names, built for the policy ``model`` (this rank's
-    stage), its ``model_config`` (:class:`~quatro_nemo.megatron.models.ModelConfig`) and the
-    ``task`` (:class:`~quatro_nemo.engine.task.Task`: EOS and pad tokens)."""
-    name = cfg.rollout.backend
-    if name == "megatron":
-        return MegatronRolloutBackend(model, eos_id=task.eos_id, pad_id=task.pad_id)
-    if name == "vllm":
-        from quatro_nemo.engine.memory_plan import section_from_dict
-        from quatro_nemo.engine.vllm_backend import VllmRolloutBackend
-
-        return VllmRolloutBackend(model, model_config, engine=section_from_dict("vllm", cfg.other.get("vllm")),
-                                  eos_id=task.eos_id, pad_id=task.pad_id)
-    raise ValueError(f"rollout.backend={name!r}: choose one of {list(BACKENDS)}")
 
 
 def pad_to_length(sample: SampleOutput, length: int, pad_id: int) -> SampleOutput:

@@ -3,7 +3,7 @@ protocol, colocated with the megatron-core trainer on the same GPUs.
 
 ``rollout.backend=vllm`` selects it and the ``vllm:`` config section
 (:class:`quatro_nemo.engine.memory_plan.VllmConfig`) sizes it;
-:func:`quatro_nemo.engine.rollout.build_rollout_backend` builds it from the run's config.
+:func:`quatro_nemo.engine.rollout_backends.build_rollout_backend` builds it from the run's config.
 
 How it works (vLLM's documented offline API: ``LLM``, ``SamplingParams``, ``collective_rpc``,
 ``sleep``/``wake_up``):
@@ -48,6 +48,8 @@ import torch
 
 from quatro_nemo.engine.memory_plan import VllmConfig
 from quatro_nemo.engine.rollout import RolloutBatch, global_sequence_ids
+from quatro_nemo.megatron import parallel
+from quatro_nemo.megatron.collectives import tp_all_gather_objects
 from quatro_nemo.megatron.sampling import SampleOutput, SamplingParams
 
 _SEED_MODULUS = 2**31 - 1
@@ -156,19 +158,17 @@ class VllmRolloutBackend:
 
     def __init__(self, model, model_config, engine: VllmConfig, eos_id: int, pad_id: int):
         vllm = require_vllm()
-        from megatron.core import parallel_state as ps
-
         self.vllm_config = engine
         self.model, self.model_config = model, model_config
         self.eos_id, self.pad_id = eos_id, pad_id
-        tp, vllm_tp = ps.get_tensor_model_parallel_world_size(), engine.tensor_parallel
-        if ps.get_pipeline_model_parallel_world_size() != 1:
+        tp, vllm_tp = parallel.tp_size(), engine.tensor_parallel
+        if parallel.pp_size() != 1:
             raise ValueError("rollout.backend=vllm needs parallel.pipeline=1 (engines are built from "
                              "consecutive ranks inside a tensor-parallel group)")
         if tp % vllm_tp:
             raise ValueError(f"vllm.tensor_parallel={vllm_tp} must divide parallel.tensor={tp}")
         self.engines_per_group = tp // vllm_tp
-        self.engine_index = ps.get_tensor_model_parallel_rank() // vllm_tp
+        self.engine_index = parallel.tp_rank() // vllm_tp
         self._model_dir = tempfile.TemporaryDirectory(prefix="quatro-vllm-model-")
         # In-process engine core: the external launcher shares this process's torch.distributed.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -265,11 +265,7 @@ class VllmRolloutBackend:
         """Every engine's responses, in prompt order, on every rank of the TP group."""
         if self.engines_per_group == 1:
             return local
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_tensor_model_parallel_group()
-        gathered: List[List[GeneratedResponse]] = [None] * ps.get_tensor_model_parallel_world_size()  # type: ignore
-        torch.distributed.all_gather_object(gathered, local, group=group)
+        gathered: List[List[GeneratedResponse]] = tp_all_gather_objects(local)
         vllm_tp = self.vllm_config.tensor_parallel
         # The first rank of each engine speaks for it (all its ranks hold the same outputs).
         return [resp for engine in range(self.engines_per_group) for resp in gathered[engine * vllm_tp]]

@@ -13,7 +13,7 @@ base model samples >= 3 distinct correct expressions per solved held-out prompt)
 
 Runs in one process (TP=1, PP=1); the full state dict is cached under
 ``<cache_dir>/<hash>.pt`` keyed by a hash of (task, tokenizer, model, warm-start) configs, so a
-run in any parallel layout loads the same base model (``models.load_full_state_dict``). A
+run in any parallel layout loads the same base model (``checkpoint.load_full_state_dict``). A
 distributed run calls :func:`load_or_train_base_model` on every rank: rank 0 trains in a clean
 subprocess if the cache is missing, the others wait for the file.
 
@@ -44,6 +44,7 @@ from quatro_nemo.data.countdown import (
     split_of,
 )
 from quatro_nemo.data.tokenizer import CharTokenizer, TokenizerConfig
+from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.quiet import quiet_library_warnings
 
 CACHE_FORMAT_VERSION = 1
@@ -162,11 +163,9 @@ def train_base_model(task: CountdownTaskConfig, tokenizer_config: TokenizerConfi
 
     Needs megatron initialised with TP=1 and PP=1 (:func:`initialize_parallel` in one process).
     """
-    from megatron.core import parallel_state as ps
-
     from quatro_nemo.megatron.models import build_model
 
-    if ps.get_tensor_model_parallel_world_size() != 1 or ps.get_pipeline_model_parallel_world_size() != 1:
+    if parallel.tp_size() != 1 or parallel.pp_size() != 1:
         raise RuntimeError("train_base_model runs at TP=1, PP=1 (use load_or_train_base_model)")
     tokenizer = CharTokenizer(tokenizer_config)
     if model_config.vocab_size != tokenizer.vocab_size:
@@ -286,7 +285,8 @@ def measure_base_model(task: CountdownTaskConfig, tokenizer_config: TokenizerCon
     held-out problems, in this process (initialises megatron at TP=1, PP=1 and tears it down)."""
     from quatro_nemo.data.countdown import generate_split
     from quatro_nemo.engine.rollout import MegatronRolloutBackend
-    from quatro_nemo.megatron.models import build_model, load_full_state_dict
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
     from quatro_nemo.megatron.sampling import SamplingParams
 
@@ -376,13 +376,11 @@ def load_or_train_base_model(task, tokenizer_config, model_config, config: WarmS
     TP=1/PP=1 one, it trains in this process (re-initialising megatron at TP=1); in a multi-rank
     group, rank 0 trains in a subprocess and every rank waits for the file.
     """
-    import torch.distributed as dist
-
     path = cache_path(task, tokenizer_config, model_config, config)
     if not path.exists():
-        distributed = dist.is_available() and dist.is_initialized()
-        if distributed and dist.get_world_size() > 1:
-            if dist.get_rank() == 0:
+        distributed = parallel.is_distributed()
+        if distributed and parallel.world_size() > 1:
+            if parallel.global_rank() == 0:
                 _build_cache_in_subprocess(task, tokenizer_config, model_config, config)
             deadline = time.time() + timeout_s
             while not path.exists():

@@ -1,4 +1,5 @@
-"""Code-aware near-duplicate criterion for UCC@k on code benchmarks.
+"""Program normalisation behind the code-aware near-duplicate criterion for UCC@k on code
+benchmarks (``quatro_nemo.eval.similarity``'s ``code`` metric and ``cluster_code_solutions``).
 
 Two programs that differ only in identifier names, comments, docstrings, blank lines, quoting or
 redundant parentheses are the same solution. Each program is normalised through Python's own
@@ -22,15 +23,11 @@ from __future__ import annotations
 
 import ast
 import builtins
-from typing import Dict, List, Sequence
+from typing import Dict
 
-import numpy as np
-
-from quatro_nemo.eval.similarity import DEFAULT_THRESHOLDS, cluster_near_duplicates, rouge_l_similarity
 from quatro_nemo.rewards.code import extract_code
 
 _BUILTIN_NAMES = frozenset(dir(builtins))
-DEFAULT_CODE_THRESHOLD = DEFAULT_THRESHOLDS["code"]   # [choice] near-duplicate: normalised token ROUGE-L >= 0.9
 
 
 class _Anonymiser(ast.NodeTransformer):
@@ -100,18 +97,3 @@ def normalized_program(response: str) -> str:
     """The canonical text of the program in a response (code extracted from markdown fences
     as for grading, then normalize_code)."""
     return normalize_code(extract_code(response))
-
-
-def code_similarity(texts: Sequence[str], workers: int = 1) -> np.ndarray:
-    """[m, m] float64 similarity of the programs in `texts` (responses or bare code): token
-    ROUGE-L F1 of their normalised programs. Same signature as quatro_nemo.eval.similarity's
-    metrics, so it can be registered there as the "code" criterion."""
-    return rouge_l_similarity([normalized_program(t) for t in texts], workers=workers)
-
-
-def cluster_code_solutions(responses: Sequence[str], threshold: float = DEFAULT_CODE_THRESHOLD,
-                           workers: int = 1) -> List[int]:
-    """Cluster sizes (largest first) of the programs in `responses` (code extracted from
-    markdown fences as for grading): the near-duplicate clusters of UCC@k on code."""
-    programs = [normalized_program(r) for r in responses]
-    return cluster_near_duplicates(programs, metric="rouge_l", threshold=threshold, workers=workers)

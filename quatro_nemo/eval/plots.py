@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from quatro_nemo.eval.flip import bucket_range as _bucket_range
-from quatro_nemo.eval.report import AVERAGE
+from quatro_nemo.eval.tables import AVERAGE
 
 
 def _pyplot():

@@ -23,10 +23,11 @@ import numpy as np
 from quatro_nemo.eval.entropy import ratio_of_sums, token_sum_and_count
 from quatro_nemo.eval.flip import DEFAULT_BUCKET_EDGES, flip_rate_by_bucket, overall_flip_rate
 from quatro_nemo.eval.passk import pass_at_k, power_of_two_ks, ucc_at_k, unique_correct_ratio
+from quatro_nemo.eval.plots import write_plots
 from quatro_nemo.eval.similarity import (DEFAULT_THRESHOLDS, SIMILARITY_METRICS, cluster_near_duplicates,
                                          mean_pairwise_similarity, pairwise_similarity)
+from quatro_nemo.eval.tables import AVERAGE, write_tables
 
-AVERAGE = "average"
 PRECOMPUTED = "precomputed"
 DEFAULT_PAIRWISE_METRICS = ("tfidf", "rouge_l", "jaccard", "edit")   # paper App. C.5
 
@@ -280,9 +281,6 @@ def evaluate_runs(runs: Dict[str, Sequence[Dict[str, Any]]], config: Optional[Ev
 
 def write_report(report: Dict[str, Any], out_dir: str, plots: bool = True) -> Dict[str, str]:
     """Tables (report.md, metrics.csv, report.json) and, if `plots`, PNG figures in `out_dir`."""
-    from quatro_nemo.eval.plots import write_plots
-    from quatro_nemo.eval.tables import write_tables
-
     paths = write_tables(report, out_dir)
     if plots:
         paths.update(write_plots(report, out_dir))

@@ -28,6 +28,8 @@ import numpy as np
 import scipy.sparse
 from scipy.sparse.csgraph import connected_components
 
+from quatro_nemo.eval.code_similarity import normalized_program
+
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 
 
@@ -132,10 +134,9 @@ def embedding_similarity(texts: Sequence[str], workers: int = 1,
 
 
 def code_similarity(texts: Sequence[str], workers: int = 1) -> np.ndarray:
-    """ROUGE-L on normalised programs (quatro_nemo.eval.code_similarity; imported lazily)."""
-    from quatro_nemo.eval.code_similarity import code_similarity as normalized_code_similarity
-
-    return normalized_code_similarity(texts, workers)
+    """[m, m] float64 similarity of the programs in `texts` (responses or bare code): token
+    ROUGE-L F1 of their normalised programs (``quatro_nemo.eval.code_similarity``)."""
+    return rouge_l_similarity([normalized_program(t) for t in texts], workers=workers)
 
 
 SimilarityFn = Callable[..., np.ndarray]
@@ -268,3 +269,11 @@ def _rouge_l_components(texts: Sequence[str], threshold: float) -> np.ndarray:
         if root_i != root_j and Indel.normalized_similarity(strings[i], strings[j]) >= threshold:
             parent[root_i] = root_j
     return np.array([find(i) for i in range(len(strings))])
+
+
+def cluster_code_solutions(responses: Sequence[str], threshold: float = DEFAULT_THRESHOLDS["code"],
+                           workers: int = 1) -> List[int]:
+    """Cluster sizes (largest first) of the programs in `responses` (code extracted from
+    markdown fences as for grading): the near-duplicate clusters of UCC@k on code."""
+    programs = [normalized_program(r) for r in responses]
+    return cluster_near_duplicates(programs, metric="rouge_l", threshold=threshold, workers=workers)

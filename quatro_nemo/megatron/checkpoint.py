@@ -48,6 +48,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.models import global_parameter_name
 
 # Parameters of megatron's vocab-parallel layers (rows = padded vocabulary).
@@ -146,10 +147,8 @@ def load_full_state_dict(model: ModelOrChunks, full_state: Dict[str, torch.Tenso
     ``KeyError`` naming it, and (at PP=1, where one rank sees the whole model) so does a key of
     ``full_state`` that no parameter uses. A shape mismatch raises ``ValueError`` naming the key.
     """
-    from megatron.core import parallel_state as ps
-
-    tp_size = ps.get_tensor_model_parallel_world_size()
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_size = parallel.tp_size()
+    tp_rank = parallel.tp_rank()
     used = set()
     with torch.no_grad():
         for chunk in model_chunks(model):
@@ -172,7 +171,7 @@ def load_full_state_dict(model: ModelOrChunks, full_state: Dict[str, torch.Tenso
                         f"parameter {local_name!r} has {tuple(param.shape)}"
                     )
                 param.copy_(full.to(dtype=param.dtype, device=param.device))
-    if strict and ps.get_pipeline_model_parallel_world_size() == 1:
+    if strict and parallel.pp_size() == 1:
         unused = sorted(set(full_state) - used)
         if unused:
             raise KeyError(f"keys of the full state dict used by no parameter: {unused[:5]}")
@@ -195,15 +194,13 @@ def _owned_parameters(model: ModelOrChunks):
 
 
 def _gather_tensor_parallel(chunk, local_name: str, param: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
     partition_dim, stride = partition_layout(chunk, local_name, param)
-    tp_size = ps.get_tensor_model_parallel_world_size()
+    tp_size = parallel.tp_size()
     local = param.detach()
     if partition_dim is None or tp_size == 1:
         return local.clone()
     shards = [torch.empty_like(local) for _ in range(tp_size)]
-    dist.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(shards, local.contiguous(), group=parallel.tp_group())
     return merge_shards(shards, partition_dim, stride)
 
 
@@ -217,17 +214,15 @@ def iter_full_parameters(
     sequence. Tensors live on the parameters' device. ``vocab_size`` trims the padded vocabulary
     rows of the embedding / output layer.
     """
-    from megatron.core import parallel_state as ps
-
     owned = _owned_parameters(model)
-    pp_size = ps.get_pipeline_model_parallel_world_size()
+    pp_size = parallel.pp_size()
     if pp_size == 1:
         for key, chunk, local_name, param in owned:
             yield key, _trim_vocab(key, _gather_tensor_parallel(chunk, local_name, param), vocab_size)
         return
 
-    pp_group = ps.get_pipeline_model_parallel_group()
-    my_stage = ps.get_pipeline_model_parallel_rank()
+    pp_group = parallel.pp_group()
+    my_stage = parallel.pp_rank()
     stage_ranks = dist.get_process_group_ranks(pp_group)
     device = owned[0][3].device if owned else torch.device("cpu")
     # Each stage announces (name, full shape, dtype) of what it contributes.
@@ -246,12 +241,10 @@ def iter_full_parameters(
 
 
 def _full_shape(chunk, local_name: str, param: torch.Tensor) -> torch.Size:
-    from megatron.core import parallel_state as ps
-
     partition_dim, _ = partition_layout(chunk, local_name, param)
     shape = list(param.shape)
     if partition_dim is not None:
-        shape[partition_dim] *= ps.get_tensor_model_parallel_world_size()
+        shape[partition_dim] *= parallel.tp_size()
     return torch.Size(shape)
 
 

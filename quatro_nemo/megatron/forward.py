@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from quatro_nemo.algos.aggregation import LossNormalizer
+from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.batching import (
     MicroBatch,
     MicroBatching,
@@ -64,13 +65,11 @@ def split_micro_batches(batch: Mapping[str, torch.Tensor], batching: Union[Micro
     steps and hence the same collectives. Ranks of one pipeline / tensor group hold the same rows
     and compute the same plan by themselves.
     """
-    from megatron.core import parallel_state as ps
-
     if isinstance(batching, int):
         batching = MicroBatching(rows=batching)
     batch = dict(batch, lengths=row_lengths(batch))
     plan = plan_micro_batches(batch, batching)
-    dp_group = ps.get_data_parallel_group()
+    dp_group = parallel.dp_group()
     if equal_over_data_parallel and dist.get_world_size(dp_group) > 1:
         count = torch.tensor([len(plan)], dtype=torch.long, device=current_device())
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
@@ -118,12 +117,11 @@ def _run_schedule(model, micro_batches: List[Dict[str, object]], make_loss, forw
     which sends every activation's shape ahead of it; ``seq_length`` / ``micro_batch_size``
     below are then only the first micro-batch's (megatron ignores them).
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
     shapes = {_schedule_shape(micro_batch) for micro_batch in micro_batches}
-    if (len(shapes) > 1 and ps.get_pipeline_model_parallel_world_size() > 1
+    if (len(shapes) > 1 and parallel.pp_size() > 1
             and not get_model_config(model).variable_seq_lengths):
         raise ValueError(f"micro-batches of {len(shapes)} shapes under pipeline parallelism need "
                          "TransformerConfig(variable_seq_lengths=True) (quatro_nemo.megatron.models.build_model "
@@ -155,8 +153,6 @@ def compute_logprobs(model, batch: Mapping[str, torch.Tensor], batching: Union[M
     The result is available on every rank of the model-parallel group (TP-complete on each TP
     rank of the last stage, then broadcast over the pipeline group).
     """
-    from megatron.core import parallel_state as ps
-
     plan, micro_batches = split_micro_batches(batch, batching, LOGPROB_KEYS)
 
     def make_loss(micro_batch):
@@ -171,16 +167,15 @@ def compute_logprobs(model, batch: Mapping[str, torch.Tensor], batching: Union[M
         outputs = _run_schedule(model, micro_batches, make_loss, forward_only=True)
     tokens = batch["tokens"]
     shape = (tokens.shape[0], tokens.shape[1] - 1)
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
+    if parallel.is_last_stage():
         logprobs = scatter_rows([out["logprobs"] for out in outputs], plan, *shape)
         entropy = scatter_rows([out["entropy"] for out in outputs], plan, *shape)
     else:
         logprobs = torch.empty(shape, dtype=torch.float32, device=tokens.device)
         entropy = torch.empty(shape, dtype=torch.float32, device=tokens.device)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if parallel.pp_size() > 1:
         both = torch.stack([logprobs, entropy])
-        dist.broadcast(both, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(both, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
         logprobs, entropy = both.unbind(0)
     return logprobs, entropy
 
@@ -238,11 +233,9 @@ def train_step_forward_backward(
     def make_loss(micro_batch):
         return make_loss_func(policy_loss, algo_config, normalizer, micro_batch)
 
-    from megatron.core import parallel_state as ps
-
     model.train()
     outputs = _run_schedule(model, micro_batches, make_loss, forward_only=False)
     if finalize_grads:
         finalize_gradients(model)
-    metrics = reduce_metrics(outputs) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+    metrics = reduce_metrics(outputs) if parallel.is_last_stage() else None
     return broadcast_from_last_stage(metrics)

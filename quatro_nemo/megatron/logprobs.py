@@ -27,6 +27,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from quatro_nemo.megatron import parallel
+
 
 class _VocabParallelLogProbsEntropy(torch.autograd.Function):
     """(logits [..., Vp], target [...]) -> (log p(target) [...], entropy [...]), float32."""
@@ -103,12 +105,10 @@ def vocab_parallel_logprobs_and_entropy(
     if target.shape != logits.shape[:-1]:
         raise ValueError(f"target shape {tuple(target.shape)} does not match logits {tuple(logits.shape)}[:-1]")
     if group is None or vocab_start is None:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            group = ps.get_tensor_model_parallel_group() if group is None else group
+        if parallel.model_parallel_initialized():
+            group = parallel.tp_group() if group is None else group
             if vocab_start is None:
-                vocab_start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+                vocab_start = parallel.tp_rank() * logits.shape[-1]
         elif vocab_start is None and group is None:
             vocab_start = 0  # no model parallelism: the slice is the whole vocabulary
     if vocab_start is None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from quatro_nemo.algos.aggregation import LossNormalizer, count_sequences, count_tokens
+from quatro_nemo.megatron import parallel
 
 LOSS_KEY = "loss"
 
@@ -33,9 +34,7 @@ def global_loss_normalizer(response_mask: torch.Tensor, group=None) -> LossNorma
     """
     counts = torch.stack([count_sequences(response_mask).double(), count_tokens(response_mask).double()])
     if group is None:
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_data_parallel_group()
+        group = parallel.dp_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     num_sequences, num_tokens = counts.tolist()
@@ -105,9 +104,7 @@ def reduce_metrics(per_microbatch: List[Mapping[str, torch.Tensor]], dp_group=No
     """
     keys = sorted({key for metrics in per_microbatch for key in metrics})
     if dp_group is None:
-        from megatron.core import parallel_state as ps
-
-        dp_group = ps.get_data_parallel_group()
+        dp_group = parallel.dp_group()
     torch_ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     local_reducers = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
     result: Dict[str, float] = {}
@@ -127,13 +124,11 @@ def reduce_metrics(per_microbatch: List[Mapping[str, torch.Tensor]], dp_group=No
 
 def broadcast_from_last_stage(metrics: Optional[Dict[str, float]]) -> Dict[str, float]:
     """Send the last pipeline stage's metrics to every stage of its pipeline group."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
+    if parallel.pp_size() == 1:
         assert metrics is not None
         return metrics
     box = [metrics]
     dist.broadcast_object_list(
-        box, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        box, src=parallel.last_stage_global_rank(), group=parallel.pp_group()
     )
     return box[0]

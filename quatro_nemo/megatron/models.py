@@ -30,6 +30,8 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from quatro_nemo.megatron import parallel
+
 ARCHITECTURES = ("gpt", "qwen2")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,8 +146,6 @@ def _layer_spec(cfg: ModelConfig, use_transformer_engine: bool):
 
 def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
     """Keyword arguments of TransformerConfig present in every supported megatron-core."""
-    from megatron.core import parallel_state as ps
-
     dtype = cfg.torch_dtype
     return dict(
         num_layers=cfg.num_layers,
@@ -162,8 +162,8 @@ def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
         init_method_std=cfg.init_method_std,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
-        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        tensor_model_parallel_size=parallel.tp_size(),
+        pipeline_model_parallel_size=parallel.pp_size(),
         sequence_parallel=False,
         # CPU initialisation makes TP shards exact slices of the TP=1 weights (the equivalence
         # tests rely on it); on GPUs weights are created on the device (a 7B model in seconds).
@@ -194,11 +194,10 @@ def build_transformer_config(cfg: ModelConfig):
     with its default MoE token dispatcher ("allgather") even for a dense model, so the dispatcher
     is set to "alltoall" with it; these models have no experts, so no dispatcher is ever built.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = _transformer_config_kwargs(cfg)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if parallel.pp_size() > 1:
         kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     kwargs.update(cfg.extra)
     return TransformerConfig(**kwargs)
@@ -211,17 +210,16 @@ def build_model(cfg: ModelConfig, use_transformer_engine: Optional[bool] = None)
     vocab-parallel (``parallel_output=True``): logits come out as ``[L, S, V/TP]`` (megatron's
     sequence-first layout) on the last stage; earlier stages return hidden states.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     from quatro_nemo.megatron.compat import current_device
 
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp = parallel.tp_size()
     if cfg.vocab_size % tp != 0:
         raise ValueError(f"model.vocab_size={cfg.vocab_size} is not divisible by tensor_parallel={tp}")
     if cfg.num_query_groups % tp != 0:
         raise ValueError(f"model.num_query_groups={cfg.num_query_groups} is not divisible by tensor_parallel={tp}")
-    pp = ps.get_pipeline_model_parallel_world_size()
+    pp = parallel.pp_size()
     if cfg.num_layers % pp != 0:
         raise ValueError(f"model.num_layers={cfg.num_layers} is not divisible by pipeline_parallel={pp}")
     if use_transformer_engine is None:
@@ -232,8 +230,8 @@ def build_model(cfg: ModelConfig, use_transformer_engine: Optional[bool] = None)
         transformer_layer_spec=_layer_spec(cfg, use_transformer_engine),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
-        post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
+        pre_process=parallel.is_first_stage(),
+        post_process=parallel.is_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type=cfg.position_embedding,
@@ -271,11 +269,3 @@ def global_parameter_name(model, local_name: str) -> str:
         return local_name
     index = int(match.group("index")) + _layer_offset(model)
     return f"{match.group('prefix')}{index}{match.group('rest')}"
-
-
-def load_full_state_dict(model, full_state: Dict[str, torch.Tensor], strict: bool = True) -> None:
-    """Alias of :func:`quatro_nemo.megatron.checkpoint.load_full_state_dict` (the one
-    implementation), kept for callers that import it from here."""
-    from quatro_nemo.megatron.checkpoint import load_full_state_dict as load
-
-    load(model, full_state, strict=strict)

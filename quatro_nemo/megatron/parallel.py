@@ -52,7 +52,8 @@ def standalone_environment() -> dict:
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it): a private rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -121,7 +122,7 @@ def initialize_parallel(
         else:
             # one process: a private rendezvous, without exporting MASTER_* to child processes
             world_size, rank = 1, 0
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = f"tcp://127.0.0.1:{free_port()}"
         if backend == "nccl":
             torch.cuda.set_device(local_cuda_device(rank))
         dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
@@ -249,6 +250,60 @@ def last_stage_global_rank() -> int:
     return ps.get_pipeline_model_parallel_last_rank()
 
 
+def previous_stage_global_rank() -> int:
+    """Global rank of the pipeline stage before this one (same TP/DP rank)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_prev_rank()
+
+
+def next_stage_global_rank() -> int:
+    """Global rank of the pipeline stage after this one (same TP/DP rank)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_next_rank()
+
+
+def model_parallel_initialized() -> bool:
+    """Whether megatron's model-parallel groups exist (:func:`initialize_parallel` ran)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.model_parallel_is_initialized()
+
+
+def is_distributed() -> bool:
+    """Whether this process belongs to a torch.distributed process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Ranks in the default process group (1 without one)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
 def is_rank_zero() -> bool:
     """Global rank 0 (or no process group at all): the rank that writes logs and reports."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return global_rank() == 0
+
+
+def model_parallel_rng_states() -> Optional[dict]:
+    """States of megatron's model-parallel RNG tracker (seeded by :func:`initialize_parallel`);
+    None while it is not initialised."""
+    try:
+        from megatron.core import tensor_parallel
+
+        return tensor_parallel.get_cuda_rng_tracker().get_states()
+    except Exception:  # tracker not initialised (no model-parallel seed set)
+        return None
+
+
+def set_model_parallel_rng_states(states: dict) -> None:
+    """Restore states saved by :func:`model_parallel_rng_states`."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().set_states(states)

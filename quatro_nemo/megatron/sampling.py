@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from quatro_nemo.megatron import parallel
+
 
 @dataclass
 class SamplingParams:
@@ -133,45 +135,36 @@ def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float
 # One forward step through the pipeline
 
 
-def _pipeline_ranks():
-    from megatron.core import parallel_state as ps
-
-    return ps
-
-
 def _stage_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, context) -> Optional[torch.Tensor]:
     """Run this stage on ``input_ids [S, n]``; the last stage returns last-position logits ``[S, V]``.
 
     Non-first stages receive ``[n, S, H]`` hidden states from the previous stage; non-last stages
     send theirs to the next. Logits are full-vocabulary (gathered over TP).
     """
-    ps = _pipeline_ranks()
-    first = ps.is_pipeline_first_stage(ignore_virtual=True)
-    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    first = parallel.is_first_stage()
+    last = parallel.is_last_stage()
     if not first:
         config = model.config
         hidden = torch.empty(
             (input_ids.shape[1], input_ids.shape[0], config.hidden_size),
             dtype=config.pipeline_dtype, device=input_ids.device,
         )
-        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        dist.recv(hidden, src=parallel.previous_stage_global_rank())
         model.set_input_tensor(hidden)
     output = model(
         input_ids=input_ids, position_ids=position_ids, attention_mask=None,
         inference_context=context, runtime_gather_output=True,
     )
     if not last:
-        dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        dist.send(output.contiguous(), dst=parallel.next_stage_global_rank())
         return None
     return output[:, -1, :]  # [S, 1, V] (only the last position is materialised) -> [S, V]
 
 
 def _broadcast_from_last_stage(values: torch.Tensor) -> torch.Tensor:
     """The last pipeline stage's ``values`` on every stage of this pipeline (in place)."""
-    ps = _pipeline_ranks()
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(values, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+    if parallel.pp_size() > 1:
+        dist.broadcast(values, src=parallel.last_stage_global_rank(), group=parallel.pp_group())
     return values
 
 

@@ -24,41 +24,11 @@ import functools
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from quatro_nemo.data.math_datasets import extract_boxed_answer
 from quatro_nemo.rewards.grading import STATUS_OK, STATUS_TIMEOUT, WorkerPool
-
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 # statuses of a Grade
 CORRECT, INCORRECT, NO_ANSWER, TIMEOUT, ERROR = "correct", "incorrect", "no_answer", "timeout", "error"
-
-
-def extract_boxed_answer(text: str) -> Optional[str]:
-    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` in `text` (nested braces matched).
-
-    ``\\boxed 5`` (no braces) gives the next whitespace-delimited token, as in Hendrycks' MATH
-    grader. Returns None when there is no complete box (e.g. an unclosed brace).
-    """
-    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
-    if start < 0:
-        return None
-    cmd = "\\boxed" if text.startswith("\\boxed", start) else "\\fbox"
-    pos = start + len(cmd)
-    if text.startswith(" ", pos) and not text[pos:].lstrip().startswith("{"):
-        rest = text[pos:].split()
-        return rest[0].rstrip("$.,") if rest else None
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    if pos >= len(text) or text[pos] != "{":
-        return None
-    depth = 0
-    for i in range(pos, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[pos + 1:i].strip()
-    return None
 
 
 @functools.lru_cache(maxsize=4096)

@@ -13,7 +13,7 @@ pytest.importorskip("nemo_aligner")
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from aligner_ranks import run_ranks  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
 from aligner_reference import log_softmax_gather, quatro_loss_reference  # noqa: E402
 from quatro_nemo.aligner.actor import QuatroReinforceActor  # noqa: E402
 
@@ -88,7 +88,7 @@ def _dp_rank(rank):
 
 @pytest.mark.distributed
 def test_get_loss_and_metrics_dp2_equals_global_reference(tmp_path):
-    results = run_ranks(DP, tmp_path, _dp_rank)
+    results = run_ranks(DP, _dp_rank)
 
     data = _data()
     weight = data["weight"].double().requires_grad_(True)

@@ -12,7 +12,7 @@ pytest.importorskip("nemo_aligner")
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from aligner_ranks import run_ranks  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
 from aligner_reference import log_softmax_gather, quatro_loss_reference  # noqa: E402
 from quatro_nemo.aligner.actor import QuatroReinforceActor, StepLossContext  # noqa: E402
 from quatro_nemo.aligner.loss import loss_scale  # noqa: E402
@@ -85,7 +85,7 @@ def _tp_rank(rank, log_ratio):
 @pytest.mark.distributed
 @pytest.mark.parametrize("log_ratio", ["seq_sum", "seq_mean"])
 def test_loss_closure_tp2_matches_single_process_reference(tmp_path, log_ratio):
-    results = run_ranks(2, tmp_path, _tp_rank, log_ratio)
+    results = run_ranks(2, _tp_rank, log_ratio)
 
     data = _problem()
     logits = data["logits"].double().requires_grad_(True)

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("nemo_aligner")
 scipy_optimize = pytest.importorskip("scipy.optimize")
 
-from aligner_ranks import run_ranks  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
 from aligner_standins import (  # noqa: E402
     DELTA,
     GLOBAL_BATCH_SIZE,
@@ -70,7 +70,7 @@ def _quatro_advantages_scipy(rewards):
 def test_fit_step_dp2_shards_and_quatro_advantages(tmp_path):
     from quatro_nemo.algos import get_algorithm
 
-    results = run_ranks(2, tmp_path, _trainer_rank)
+    results = run_ranks(2, _trainer_rank)
     problem_list = problems()
     tokenizer = Tokenizer()
 

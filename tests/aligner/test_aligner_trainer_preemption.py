@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("nemo_aligner")
 
-from aligner_ranks import run_ranks  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
 from aligner_standins import (  # noqa: E402
     GLOBAL_BATCH_SIZE,
     INNER_LOOPS,
@@ -86,8 +86,7 @@ def _run_rank(rank, ckpt_root, signal_number=None, signal_at_call=None, resume_f
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    results = run_ranks(2, tmp_path_factory.mktemp("reference"), _run_rank,
-                        str(tmp_path_factory.mktemp("reference-ckpt")))
+    results = run_ranks(2, _run_rank, str(tmp_path_factory.mktemp("reference-ckpt")))
     for result in results:
         assert result["preempted"] is None and result["step"] == STEPS
     return results
@@ -97,11 +96,8 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("signal_number", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
 def test_signal_checkpoints_at_the_step_boundary_and_a_rerun_resumes(tmp_path, uninterrupted, signal_number):
     ckpt_root = str(tmp_path / "ckpt")
-    (tmp_path / "stopped").mkdir()
-    (tmp_path / "resumed").mkdir()
     # The signal reaches rank 1 during its 2nd optimizer step of training step 2 (of 4).
-    stopped = run_ranks(2, tmp_path / "stopped", _run_rank, ckpt_root, signal_number,
-                        OPTIMIZER_STEPS_PER_STEP + 2)
+    stopped = run_ranks(2, _run_rank, ckpt_root, signal_number, OPTIMIZER_STEPS_PER_STEP + 2)
     name = signal.Signals(signal_number).name
     for rank, result in enumerate(stopped):
         # Both ranks (rank 0 learns of it through the collective) finish step 2, save, and stop.
@@ -113,7 +109,7 @@ def test_signal_checkpoints_at_the_step_boundary_and_a_rerun_resumes(tmp_path, u
             f"megatron_gpt-step=2-consumed_samples={2 * PROMPTS_PER_STEP}-"
             f"reinforce_optimization_step={2 * OPTIMIZER_STEPS_PER_STEP}-")
 
-    resumed = run_ranks(2, tmp_path / "resumed", _run_rank, str(tmp_path / "ckpt-resumed"), None, None,
+    resumed = run_ranks(2, _run_rank, str(tmp_path / "ckpt-resumed"), None, None,
                         [result["saved"][0] for result in stopped])
     generation_calls_per_step = len(uninterrupted[0]["prompt_ids_asked"][:-1]) // STEPS  # the last is validation
     for rank in range(2):

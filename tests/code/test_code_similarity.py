@@ -1,8 +1,8 @@
 """Code-aware near-duplicate criterion: checked against a brute-force LCS and hand-built cases."""
 import numpy as np
 
-from quatro_nemo.eval.code_similarity import cluster_code_solutions, code_similarity, normalize_code
-from quatro_nemo.eval.similarity import tokenize
+from quatro_nemo.eval.code_similarity import normalize_code
+from quatro_nemo.eval.similarity import cluster_code_solutions, code_similarity, tokenize
 
 SUM_LOOP = '''
 def total(values):

@@ -12,7 +12,7 @@ def forward_logits(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
     Runs megatron's own forward-only pipeline schedule (so PP > 1 works); returns the logits on the
     last pipeline stage (gathered over TP) and None on other stages.
     """
-    from megatron.core import parallel_state as ps
+    from quatro_nemo.megatron import parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batch, length = tokens.shape
@@ -30,13 +30,13 @@ def forward_logits(model, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
         seq_length=length, micro_batch_size=batch, forward_only=True, collect_non_loss_data=True,
     )
-    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+    if not parallel.is_last_stage():
         return None
     local = collected[0]
     assert local.shape[:2] == (batch, length), local.shape
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp = parallel.tp_size()
     if tp == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(tp)]
-    torch.distributed.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    torch.distributed.all_gather(parts, local.contiguous(), group=parallel.tp_group())
     return torch.cat(parts, dim=-1)

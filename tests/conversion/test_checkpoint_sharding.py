@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quatro_nemo.megatron.checkpoint import merge_shards, shard_tensor
-from tests.conversion.dist_helpers import run_ranks
+from tests.distributed import run_ranks
 from tests.conversion.megatron_helpers import forward_logits
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (tensor_parallel, pipeline_parallel) on 4 ranks
@@ -61,8 +61,7 @@ def test_shard_tensor_rejects_indivisible():
 
 
 def _sharding_rank(rank: int, cfg_kwargs: dict, tokens: torch.Tensor) -> dict:
-    from megatron.core import parallel_state as ps
-
+    from quatro_nemo.megatron import parallel
     from quatro_nemo.megatron.checkpoint import gather_full_state_dict, load_full_state_dict
     from quatro_nemo.megatron.models import ModelConfig, build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
@@ -88,7 +87,7 @@ def _sharding_rank(rank: int, cfg_kwargs: dict, tokens: torch.Tensor) -> dict:
         with torch.no_grad():
             logits = forward_logits(model, tokens)
         gathered = gather_full_state_dict(model, vocab_size=reference_cfg.vocab_size)
-        first_replica = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+        first_replica = parallel.dp_rank() == 0 and parallel.tp_rank() == 0
         result["layouts"][(tp, pp)] = {
             "logits": logits if first_replica else None,
             "gathered": gathered,
@@ -100,7 +99,7 @@ def _sharding_rank(rank: int, cfg_kwargs: dict, tokens: torch.Tensor) -> dict:
 @pytest.mark.parametrize("cfg_kwargs", [TINY_GPT, TINY_QWEN2], ids=["gpt-untied", "qwen2-gqa-tied"])
 def test_full_state_dict_roundtrip_and_logits_in_every_layout(tmp_path, cfg_kwargs):
     tokens = torch.randint(0, cfg_kwargs["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
-    results = run_ranks(_sharding_rank, 4, tmp_path, cfg_kwargs, tokens)
+    results = run_ranks(4, _sharding_rank, cfg_kwargs, tokens)
     reference_sd = results[0]["reference_sd"]
     reference_logits = results[0]["reference_logits"]
     assert reference_logits.shape == (2, 12, cfg_kwargs["vocab_size"])

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conversion.dist_helpers import run_ranks
+from tests.distributed import run_ranks
 from tests.conversion.test_hf_qwen2 import hf_state, tiny_qwen2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,7 +80,7 @@ def _train_run_rank(rank: int, hf_dir: str, run_dir: str, out_dir: str) -> None:
 def test_run_checkpoint_at_tp2_exports_the_hf_weights(tmp_path):
     model = tiny_qwen2(tie=True, vocab_size=62)
     model.save_pretrained(tmp_path / "hf")
-    run_ranks(_train_run_rank, 2, tmp_path, str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "out"))
+    run_ranks(2, _train_run_rank, str(tmp_path / "hf"), str(tmp_path / "run"), str(tmp_path / "out"))
     config, exported = read_hf_checkpoint(tmp_path / "out")
     assert config["num_key_value_heads"] == 2 and config["tie_word_embeddings"] is True
     original = hf_state(model)

@@ -16,7 +16,7 @@ from quatro_nemo.megatron.hf_conversion import (
     split_qkv,
     write_hf_checkpoint,
 )
-from tests.conversion.dist_helpers import run_ranks
+from tests.distributed import run_ranks
 from tests.conversion.megatron_helpers import forward_logits
 
 transformers = pytest.importorskip("transformers")
@@ -153,8 +153,7 @@ def test_read_hf_checkpoint_names_missing_files(tmp_path):
 
 
 def _conversion_rank(rank: int, hf_dir: str, tokens: torch.Tensor, export_root: str) -> dict:
-    from megatron.core import parallel_state as ps
-
+    from quatro_nemo.megatron import parallel
     from quatro_nemo.megatron.hf_conversion import export_megatron_to_hf, load_hf_into_megatron
     from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
@@ -168,7 +167,7 @@ def _conversion_rank(rank: int, hf_dir: str, tokens: torch.Tensor, export_root: 
         load_hf_into_megatron(model, state, cfg)
         with torch.no_grad():
             logits = forward_logits(model, tokens)
-        export_megatron_to_hf(model, cfg, f"{export_root}/tp{tp}_dp{ps.get_data_parallel_rank()}",
+        export_megatron_to_hf(model, cfg, f"{export_root}/tp{tp}_dp{parallel.dp_rank()}",
                               base_config=hf_config)
         result[tp] = logits[..., : hf_config["vocab_size"]]
     return result
@@ -184,7 +183,7 @@ def test_megatron_logits_match_hf_at_tp1_and_tp2(tmp_path, tie, vocab):
     assert hf_logits.abs().max() > 1.0  # a scale at which a wrong mapping shows
     state = hf_state(model)
     model.save_pretrained(tmp_path / "hf")
-    results = run_ranks(_conversion_rank, 2, tmp_path, str(tmp_path / "hf"), tokens, str(tmp_path))
+    results = run_ranks(2, _conversion_rank, str(tmp_path / "hf"), tokens, str(tmp_path))
     for rank, result in enumerate(results):
         for tp in (1, 2):
             diff = (result[tp] - hf_logits).abs().max().item()

@@ -85,11 +85,11 @@ def _has_vllm() -> bool:
 def test_vllm_greedy_follows_pushed_megatron_weights(tmp_path, monkeypatch):
     from quatro_nemo.engine.memory_plan import VllmConfig
     from quatro_nemo.megatron.models import ModelConfig, build_model
-    from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
+    from quatro_nemo.megatron.parallel import destroy_parallel, free_port, initialize_parallel
     from quatro_nemo.megatron.sampling import SamplingParams, generate
 
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT="29533").items():
+                           MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(key, value)
     initialize_parallel(1, 1, seed=5)
     try:

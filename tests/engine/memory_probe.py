@@ -26,7 +26,6 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "megatron"))
 
 # The probe's model: qwen2-style (RMSNorm, SwiGLU, GQA, RoPE), float32, untied, ~41 M parameters,
 # so that training state (16 bytes per parameter) dwarfs activations and logits.
@@ -162,7 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument("--loss-path", action="store_true", help="measure the loss on large logits only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    from mcore_ranks import run_ranks
+    from tests.distributed import run_ranks
 
     os.makedirs(args.out, exist_ok=True)
     if args.loss_path:

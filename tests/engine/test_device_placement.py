@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tests.megatron.mcore_ranks import run_ranks
+from tests.distributed import run_ranks
 
 from .conftest import TINY
 

@@ -1,23 +1,19 @@
 """The megatron rollout backend: grouped layout and layout-independent sequence ids."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from mcore_ranks import run_ranks  # noqa: E402
-
-from quatro_nemo.engine.rollout import (  # noqa: E402
+from quatro_nemo.engine.rollout import (
     MegatronRolloutBackend,
-    build_rollout_backend,
     global_sequence_ids,
     pad_to_length,
 )
-from quatro_nemo.megatron.sampling import SamplingParams  # noqa: E402
+from quatro_nemo.engine.rollout_backends import build_rollout_backend
+from quatro_nemo.megatron.sampling import SamplingParams
+from tests.distributed import run_ranks
 
 
 def test_global_sequence_ids_by_hand():

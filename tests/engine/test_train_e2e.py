@@ -1,9 +1,13 @@
 """The training loop end to end on the tiny CPU task: every algorithm, exact resume after
-SIGKILL, checkpoint-and-exit on SIGTERM/SIGUSR1, and parallel layouts under torchrun."""
+SIGKILLs at random points, checkpoint-and-exit on SIGTERM/SIGUSR1, and parallel layouts under
+torchrun."""
 import json
 import os
+import random
+import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,23 +74,51 @@ def test_every_algorithm_runs_through_the_same_loop(algorithm, tmp_path, tiny_ar
     assert os.path.exists(os.path.join(run_dir, "config.yaml"))
 
 
-def test_sigkill_at_any_point_then_same_command_resumes_bit_identically(reference_run, tmp_path):
+def latest_complete_checkpoint(run_dir):
+    """The step of the newest checkpoint with its COMPLETE marker (0: none)."""
+    markers = Path(run_dir, "checkpoints").glob("step_*/COMPLETE")
+    return max((int(marker.parent.name.split("_")[1]) for marker in markers), default=0)
+
+
+def start_step(output):
+    """The step a run started from, read from the loop's banner ("steps 3->4")."""
+    match = re.search(r"steps (\d+)->\d+", output)
+    assert match, output
+    return int(match.group(1))
+
+
+def test_sigkill_at_random_points_then_same_command_resumes_bit_identically(reference_run, tmp_path):
+    """Two SIGKILLs at random points (seeded): after the checkpoints of two randomly drawn steps,
+    each after a delay drawn uniformly from the uninterrupted run's time for the next step, so
+    it lands in that step's rollout, log-probs, update or checkpoint writing. After each, the
+    same command resumes from the last complete checkpoint (not from scratch, which would give
+    the same records); the finished run's records equal the uninterrupted run's (same data,
+    same RNG, same optimizer state). Each kill costs one more start of the run, so two kills
+    keep the test under twice the time of one."""
     args, reference_dir = reference_run
     run_dir = str(tmp_path / "killed")
     args = [a if not a.startswith("run.dir=") else f"run.dir={run_dir}" for a in args]
-    process = run_train(args)
-    marker = os.path.join(run_dir, "checkpoints", "step_000002", "COMPLETE")
-    deadline = time.time() + 300
-    while not os.path.exists(marker):
-        assert process.poll() is None, process.communicate()[0]
-        assert time.time() < deadline, "no checkpoint for step 2"
-        time.sleep(0.05)
-    time.sleep(0.3)  # somewhere inside step 3
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    step_seconds = {r["step"]: r["time/step"] for r in train_records(reference_dir) if r["kind"] == "train"}
+    rng = random.Random(18)
+    for saved_step in sorted(rng.sample([1, 2, 3], 2)):
+        resume_from = latest_complete_checkpoint(run_dir)
+        process = run_train(args, start_new_session=True)  # its own process group, helpers included
+        marker = os.path.join(run_dir, "checkpoints", f"step_{saved_step:06d}", "COMPLETE")
+        deadline = time.time() + 300
+        while not os.path.exists(marker):
+            assert process.poll() is None, process.communicate()[0]
+            assert time.time() < deadline, f"no checkpoint for step {saved_step}"
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, step_seconds[saved_step + 1]))
+        assert process.poll() is None, f"the run ended before the kill after step {saved_step}"
+        os.killpg(process.pid, signal.SIGKILL)  # the run and its helper processes, as when a node dies
+        output, _ = process.communicate(timeout=120)
+        assert start_step(output) == resume_from
+    resume_from = latest_complete_checkpoint(run_dir)
     code, output = finish(run_train(args))
     assert code == 0, output
-    assert_same_records(run_dir, reference_dir)  # same data, same RNG, same optimizer state
+    assert start_step(output) == resume_from > 0
+    assert_same_records(run_dir, reference_dir)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -140,7 +172,8 @@ def _first_step(run_dir):
 
 
 @pytest.mark.distributed
-def test_torchrun_tp2_pp2_dp2_give_the_first_step_of_one_process(tmp_path, tiny_args):
+def test_torchrun_tp2_and_pp2_and_dp2_layouts_each_give_the_first_step_of_one_process(tmp_path, tiny_args):
+    """Three two-rank layouts in turn (TP2, PP2, DP2), not their eight-rank product."""
     common = ["trainer.steps=1", "eval.num_problems=0"]
     single = str(tmp_path / "single")
     code, output = finish(run_train(tiny_args(single, *common)))

@@ -20,11 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from mcore_ranks import run_ranks  # noqa: E402
-
-from quatro_nemo.engine.logging import read_metrics  # noqa: E402
-from quatro_nemo.engine.memory_plan import VllmConfig  # noqa: E402
+from quatro_nemo.engine.logging import read_metrics
+from quatro_nemo.engine.memory_plan import VllmConfig
+from tests.distributed import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -3,25 +3,21 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 from collections import Counter
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from mcore_ranks import run_ranks  # noqa: E402
-
-from quatro_nemo.data.countdown import CountdownTaskConfig, is_correct, parse_steps, split_of  # noqa: E402
-from quatro_nemo.data.tokenizer import CharTokenizer, TokenizerConfig  # noqa: E402
-from quatro_nemo.engine.warmstart import (  # noqa: E402
+from quatro_nemo.data.countdown import CountdownTaskConfig, is_correct, parse_steps, split_of
+from quatro_nemo.data.tokenizer import CharTokenizer, TokenizerConfig
+from quatro_nemo.engine.warmstart import (
     WarmStartConfig,
     cache_key,
     demonstration_batch,
     draw_demonstration,
 )
+from tests.distributed import run_ranks
 
 TASK = CountdownTaskConfig()
 
@@ -106,7 +102,8 @@ def _tiny_configs(cache_dir):
 
 def _load_and_forward(rank, tp, cache_dir, out_dir):
     from quatro_nemo.engine.warmstart import load_or_train_base_model
-    from quatro_nemo.megatron.models import build_model, load_full_state_dict
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
 
     task, tok, model_config, warm = _tiny_configs(cache_dir)

@@ -7,8 +7,9 @@ import importlib.util
 
 import pytest
 
-from quatro_nemo.eval.report import AVERAGE, EvalConfig, evaluate_runs
+from quatro_nemo.eval.report import EvalConfig, evaluate_runs
 from quatro_nemo.eval.samples import load_samples
+from quatro_nemo.eval.tables import AVERAGE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "eval")

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from mcore_ranks import run_ranks
+from tests.distributed import run_ranks
 
 STEPS = 3
 

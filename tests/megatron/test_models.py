@@ -45,6 +45,6 @@ def _check_cpu_compat(rank):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU workarounds apply only without CUDA")
 def test_cpu_compat_is_idempotent_and_maps_cuda_to_cpu():
     # In a forked process, so the pytest process itself stays unpatched.
-    from mcore_ranks import run_ranks
+    from tests.distributed import run_ranks
 
     run_ranks(1, _check_cpu_compat)

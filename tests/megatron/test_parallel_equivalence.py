@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from mcore_ranks import run_ranks
+from tests.distributed import run_ranks
 
 LOSSES = ("quatro", "gspo", "dapo", "grpo")
 EMPTY_RESPONSE_ROWS = (3, 6)
@@ -172,16 +172,15 @@ def _full_gradient(model, name, param):
     """The TP=1 gradient of ``param`` (its DDP buffer ``main_grad``): TP shards all-gathered and
     merged by checkpoint's layout."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
+    from quatro_nemo.megatron import parallel
     from quatro_nemo.megatron.checkpoint import merge_shards, partition_layout
 
     grad = param.main_grad
     partition_dim, stride = partition_layout(model, name, param)
-    if partition_dim is None or ps.get_tensor_model_parallel_world_size() == 1:
+    if partition_dim is None or parallel.tp_size() == 1:
         return grad
-    shards = [torch.empty_like(grad) for _ in range(ps.get_tensor_model_parallel_world_size())]
-    dist.all_gather(shards, grad.contiguous(), group=ps.get_tensor_model_parallel_group())
+    shards = [torch.empty_like(grad) for _ in range(parallel.tp_size())]
+    dist.all_gather(shards, grad.contiguous(), group=parallel.tp_group())
     return merge_shards(shards, partition_dim, stride)
 
 
@@ -309,7 +308,7 @@ def test_loss_and_gradients_match_single_process(reference_path, world_size, ten
 
 
 def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, micro_batches, path):
-    from megatron.core import parallel_state
+    from quatro_nemo.megatron import parallel
 
     from quatro_nemo.algos import ALGORITHMS
     from quatro_nemo.megatron.batching import MicroBatching, plan_micro_batches
@@ -344,7 +343,7 @@ def _token_budget_rank(rank, tensor_parallel, pipeline_parallel, max_tokens, mic
         _assert_step_matches(where, model, metrics, ref["results"][algorithm], covered)
         # every DP rank ran the same number of micro-batches (empty ones pad the shorter plan)
         counts = [None] * layout.data_parallel
-        torch.distributed.all_gather_object(counts, len(forward_calls), group=parallel_state.get_data_parallel_group())
+        torch.distributed.all_gather_object(counts, len(forward_calls), group=parallel.dp_group())
         assert counts == [micro_batches] * layout.data_parallel, counts
     _assert_every_parameter_compared(covered, ref["state"])
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
-from mcore_ranks import run_ranks
+from tests.distributed import run_ranks
 from quatro_nemo.megatron.sampling import SamplingParams, draw_tokens, top_p_filtered_probs
 
 EOS, PAD, VOCAB = 2, 0, 32
@@ -31,7 +31,8 @@ def _prompts(count: int, seed: int = 0):
 
 
 def _build(tp: int, pp: int, full_state=None):
-    from quatro_nemo.megatron.models import build_model, load_full_state_dict
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
 
     initialize_parallel(tp, pp, seed=11)
@@ -193,19 +194,21 @@ def _sample_in_layout(rank, tp, pp, dp_split, out_dir, full_state):
 
 @pytest.mark.distributed
 def test_tp2_pp2_dp2_sample_the_same_tokens_as_one_process(tmp_path):
+    """TP2, PP2 and DP2 alone (two ranks each), then all three at once (eight ranks)."""
     run_ranks(1, _sample_in_layout, 1, 1, False, str(tmp_path), None)
     reference = torch.load(tmp_path / "rank0.pt", weights_only=False)["out"]
     full_state = torch.load(tmp_path / "full_state.pt")
     assert reference.finished.any()
-    for tp, pp, dp_split in ((2, 1, False), (1, 2, False), (1, 1, True)):
-        layout_dir = tmp_path / f"tp{tp}pp{pp}dp{int(dp_split)}"
+    for tp, pp, dp in ((2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)):
+        layout_dir = tmp_path / f"tp{tp}pp{pp}dp{dp}"
         layout_dir.mkdir()
-        run_ranks(2, _sample_in_layout, tp, pp, dp_split, str(layout_dir), full_state)
-        for rank in range(2):
+        world_size = tp * pp * dp
+        run_ranks(world_size, _sample_in_layout, tp, pp, dp > 1, str(layout_dir), full_state)
+        for rank in range(world_size):
             result = torch.load(layout_dir / f"rank{rank}.pt", weights_only=False)
             out, ids = result["out"], result["ids"]
             length = out.tokens.shape[1]
-            assert torch.equal(out.tokens, reference.tokens[ids, :length]), (tp, pp, dp_split, rank)
+            assert torch.equal(out.tokens, reference.tokens[ids, :length]), (tp, pp, dp, rank)
             assert (reference.tokens[ids, length:] == PAD).all()
             assert torch.equal(out.response_lengths, reference.response_lengths[ids])
             torch.testing.assert_close(out.logprobs, reference.logprobs[ids, : length - 1], atol=1e-5, rtol=1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_ranks import run_ranks
+from tests.distributed import run_ranks
 
 STEPS, LR = 40, 2e-6
 

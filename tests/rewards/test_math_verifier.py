@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from quatro_nemo.data.math_datasets import extract_boxed_answer
 from quatro_nemo.rewards import get_verifier
-from quatro_nemo.rewards.math_verifier import MathVerifier, extract_boxed_answer
+from quatro_nemo.rewards.math_verifier import MathVerifier
 
 # (gold answer, response, correct?)
 CASES = [

@@ -1,0 +1,28 @@
+"""Build the rollout backend a run's config names (``rollout.backend``): above both backends,
+:mod:`quatro_nemo.engine.rollout` (megatron) and :mod:`quatro_nemo.engine.vllm_backend` (vLLM),
+which both build on the former's :class:`~quatro_nemo.engine.rollout.RolloutBatch`."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from quatro_nemo.engine.memory_plan import section_from_dict
+from quatro_nemo.engine.rollout import MegatronRolloutBackend, RolloutBackend
+from quatro_nemo.engine.vllm_backend import VllmRolloutBackend
+
+if TYPE_CHECKING:
+    from quatro_nemo.engine.config import ExperimentConfig
+
+BACKENDS = ("megatron", "vllm")
+
+
+def build_rollout_backend(cfg: "ExperimentConfig", model, model_config, task) -> RolloutBackend:
+    """The backend ``cfg.rollout.backend`` names, built for the policy ``model`` (this rank's
+    stage), its ``model_config`` (:class:`~quatro_nemo.megatron.models.ModelConfig`) and the
+    ``task`` (:class:`~quatro_nemo.engine.task.Task`: EOS and pad tokens)."""
+    name = cfg.rollout.backend
+    if name == "megatron":
+        return MegatronRolloutBackend(model, eos_id=task.eos_id, pad_id=task.pad_id)
+    if name == "vllm":
+        return VllmRolloutBackend(model, model_config, engine=section_from_dict("vllm", cfg.other.get("vllm")),
+                                  eos_id=task.eos_id, pad_id=task.pad_id)
+    raise ValueError(f"rollout.backend={name!r}: choose one of {list(BACKENDS)}")
