@@ -63,8 +63,7 @@ def main(argv) -> int:
         return 2
     out = args.out or os.path.join("runs", f"study_{cfg.name}")
 
-    from quatro_nemo.study.driver import collect_sweep, emit_sweep, run_study, write_report
-    from quatro_nemo.study.plan import build_plan
+    from quatro_nemo.study.driver import build_plan, collect_sweep, emit_sweep, run_study, write_report
     from quatro_nemo.study.runner import StudyInterrupted
     try:
         if args.estimate:

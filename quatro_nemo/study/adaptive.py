@@ -27,74 +27,13 @@ the base model as a star) and the controller's radius over training.
 """
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
-from quatro_nemo.algos.config import QuatroConfig
-from quatro_nemo.rewards.countdown import REWARD_KINDS
-from quatro_nemo.study.config import QUATRO, StudyConfig, StudyConfigError, _check_positive, _check_seeds
+from quatro_nemo.study.config import DEFAULT_CONDITION, QUATRO, StudyConfig
 from quatro_nemo.study.plan import Defaults, RunSpec, Setting, StudyPlan, make_setting, run_overrides
 
-DEFAULT_CONDITION = "default"
 FULL_EVALUATION_NOTE = "default-condition runs: full evaluation; stress runs: sweep_n_samples at the first top-p"
-
-
-def _default_strategies() -> Dict[str, Dict[str, Any]]:
-    return {"controller": {"delta_controller": "kl"}, "variance": {"delta_per_query": "reward_variance"}}
-
-
-def _default_stress() -> Dict[str, Dict[str, Any]]:
-    return {"lr4": {"lr_multiplier": 4.0}, "K4": {"inner_loops": 4}}
-
-
-@dataclass
-class AdaptiveStudyConfig:
-    """The ``adaptive:`` section of a ``kind: adaptive`` study (errors name the key)."""
-
-    tasks: List[str] = field(default_factory=lambda: list(REWARD_KINDS))     # task.reward values
-    fixed_deltas: List[float] = field(default_factory=lambda: [0.02, 0.05, 0.1, 0.2])
-    strategies: Dict[str, Dict[str, Any]] = field(default_factory=_default_strategies)  # name -> QuatroConfig fields
-    stress: Dict[str, Dict[str, Any]] = field(default_factory=_default_stress)  # name -> inner_loops / lr_multiplier
-    seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
-    # an arm breaks under a stress condition when its mean final held-out reward there is below
-    # this fraction of its reward at the default condition
-    tolerance: float = 0.9
-
-    def validate(self) -> None:
-        if not self.tasks or any(t not in REWARD_KINDS for t in self.tasks) or len(set(self.tasks)) != len(self.tasks):
-            raise StudyConfigError(f"adaptive.tasks must be distinct values of {list(REWARD_KINDS)}, got {self.tasks}")
-        _check_positive("adaptive.fixed_deltas", self.fixed_deltas, integer=False)
-        if len(set(self.fixed_deltas)) < 2:
-            raise StudyConfigError(f"adaptive.fixed_deltas needs at least two radii (a frontier), got {self.fixed_deltas}")
-        if not isinstance(self.strategies, dict) or not self.strategies:
-            raise StudyConfigError(f"adaptive.strategies must map names to QuatroConfig fields, got {self.strategies!r}")
-        for name, fields in self.strategies.items():
-            key = f"adaptive.strategies.{name}"
-            if not isinstance(fields, dict):
-                raise StudyConfigError(f"{key} must be a mapping of QuatroConfig fields, got {fields!r}")
-            try:
-                config = QuatroConfig.from_dict(fields, source=key)
-            except ValueError as exc:
-                raise StudyConfigError(f"{key}: {exc}") from exc
-            if not config.adaptive_delta:
-                raise StudyConfigError(f"{key} turns no adaptive radius on (delta_controller or delta_per_query)")
-        if not isinstance(self.stress, dict):
-            raise StudyConfigError(f"adaptive.stress must map names to settings, got {self.stress!r}")
-        for name, values in self.stress.items():
-            key = f"adaptive.stress.{name}"
-            if name == DEFAULT_CONDITION or not isinstance(values, dict) or not values \
-                    or set(values) - {"inner_loops", "lr_multiplier"}:
-                raise StudyConfigError(f"{key} must be a non-empty mapping of inner_loops / lr_multiplier "
-                                       f"(and not named {DEFAULT_CONDITION!r}), got {values!r}")
-            if "inner_loops" in values:
-                _check_positive(f"{key}.inner_loops", [values["inner_loops"]], integer=True)
-            if "lr_multiplier" in values:
-                _check_positive(f"{key}.lr_multiplier", [values["lr_multiplier"]], integer=False)
-        _check_seeds("adaptive.seeds", self.seeds)
-        if not 0.0 < self.tolerance <= 1.0:
-            raise StudyConfigError(f"adaptive.tolerance must be in (0, 1], got {self.tolerance}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,30 +213,3 @@ def evaluate_adaptive_claims(study) -> list:
             claims.append(claim_frontier(study, strategy, kmax))
         claims.append(claim_stable(study, strategy))
     return claims
-
-
-def write_adaptive_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out_dir: str,
-                          info: Dict[str, Any]) -> Dict[str, Any]:
-    """Load the kept metrics of ``study_dir``, test the claims, write report.md / report.json / PNGs."""
-    from quatro_nemo.eval.tables import to_jsonable
-    from quatro_nemo.study.adaptive_report import to_markdown, write_figures
-
-    an = _analysis()
-    study = an.Study(cfg, plan, an.load_runs(study_dir, list(plan.runs)), an.load_base(study_dir))
-    claims = evaluate_adaptive_claims(study)
-    info = dict(info, scale_note=cfg.description or None)
-    os.makedirs(out_dir, exist_ok=True)
-    figures = write_figures(study, out_dir)
-    with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
-        f.write(to_markdown(study, claims, figures, info))
-    ad: AdaptivePlan = plan.adaptive
-    summary = {"study": cfg.name, "kind": cfg.kind, "info": info, "claims": an.claims_to_json(claims),
-               "retention": {task: {c: {arm: retention(study, task, c, arm) for arm in ad.arms()}
-                                    for c in ad.conditions[1:]} for task in ad.tasks},
-               "runs": {name: {"finished": name in study.runs, "overrides": list(spec.overrides)}
-                        for name, spec in plan.runs.items()}}
-    with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
-        json.dump(to_jsonable(summary), f, indent=1, allow_nan=False)
-    paths = {"markdown": os.path.join(out_dir, "report.md"), "json": os.path.join(out_dir, "report.json"),
-             **{k: os.path.join(out_dir, v) for k, v in figures.items()}}
-    return {"paths": paths, "claims": claims, "study": study}

@@ -4,14 +4,19 @@ A function of the kept metrics and the study config only, so ``--report-only`` r
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Dict, List, Sequence
 
 from quatro_nemo.eval.plots import _pyplot
 from quatro_nemo.eval.tables import _markdown_table as _table
-from quatro_nemo.study.adaptive import (DEFAULT_CONDITION, FULL_EVALUATION_NOTE, AdaptivePlan, adaptive_kmax,
+from quatro_nemo.eval.tables import to_jsonable
+from quatro_nemo.study.adaptive import (FULL_EVALUATION_NOTE, AdaptivePlan, adaptive_kmax, evaluate_adaptive_claims,
                                         retention)
-from quatro_nemo.study.analysis import Study, final_metric, mean_over_training, peak_over_training
+from quatro_nemo.study.analysis import (Study, claims_to_json, final_metric, load_base, load_runs, mean_over_training,
+                                        peak_over_training)
+from quatro_nemo.study.config import DEFAULT_CONDITION, StudyConfig
+from quatro_nemo.study.plan import StudyPlan
 from quatro_nemo.study.report import _band, _claim_lines, _fmt, _info_lines, _save, _tp, _value
 
 
@@ -181,3 +186,26 @@ def to_markdown(study: Study, claims: Sequence[Any], figures: Dict[str, str], in
         lines += [f"Base model ({_tp(study.claim_top_p)}): pass@1 {_value(base.get('pass@1'))}, pass@{kmax} "
                   f"{_value(base.get(f'pass@{kmax}'))}, UCC@{kmax} {_value(base.get(f'ucc@{kmax}'))}.", ""]
     return "\n".join(lines)
+
+
+def write_adaptive_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out_dir: str,
+                          info: Dict[str, Any]) -> Dict[str, Any]:
+    """Load the kept metrics of ``study_dir``, test the claims, write report.md / report.json / PNGs."""
+    study = Study(cfg, plan, load_runs(study_dir, list(plan.runs)), load_base(study_dir))
+    claims = evaluate_adaptive_claims(study)
+    info = dict(info, scale_note=cfg.description or None)
+    os.makedirs(out_dir, exist_ok=True)
+    figures = write_figures(study, out_dir)
+    with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as f:
+        f.write(to_markdown(study, claims, figures, info))
+    ad: AdaptivePlan = plan.adaptive
+    summary = {"study": cfg.name, "kind": cfg.kind, "info": info, "claims": claims_to_json(claims),
+               "retention": {task: {c: {arm: retention(study, task, c, arm) for arm in ad.arms()}
+                                    for c in ad.conditions[1:]} for task in ad.tasks},
+               "runs": {name: {"finished": name in study.runs, "overrides": list(spec.overrides)}
+                        for name, spec in plan.runs.items()}}
+    with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
+        json.dump(to_jsonable(summary), f, indent=1, allow_nan=False)
+    paths = {"markdown": os.path.join(out_dir, "report.md"), "json": os.path.join(out_dir, "report.json"),
+             **{k: os.path.join(out_dir, v) for k, v in figures.items()}}
+    return {"paths": paths, "claims": claims, "study": study}

@@ -31,7 +31,8 @@ from typing import Any, Dict, List
 from omegaconf import OmegaConf
 
 from quatro_nemo.algos import ALGORITHMS
-from quatro_nemo.algos.config import QUATRO_LOG_RATIOS
+from quatro_nemo.algos.config import QUATRO_LOG_RATIOS, QuatroConfig
+from quatro_nemo.rewards.countdown import REWARD_KINDS
 
 STUDY_CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "conf", "study")
@@ -164,7 +165,7 @@ class StudyConfig:
     # last quarter of training (least-squares line through the mean over seeds)
     plateau_tolerance: float = 0.02
     time_budget_minutes: float = 150.0           # the target wall time, checked and reported
-    adaptive: Any = None                         # kind adaptive: quatro_nemo.study.adaptive.AdaptiveStudyConfig
+    adaptive: Any = None                         # kind adaptive: AdaptiveStudyConfig
 
     def validate(self) -> None:
         _check_algorithms("algorithms", self.algorithms)
@@ -200,8 +201,6 @@ STUDY_KINDS = ("paper", "adaptive")
 
 
 def _nested() -> Dict[str, type]:
-    from quatro_nemo.study.adaptive import AdaptiveStudyConfig
-
     return {"sweeps": SweepConfig, "ablation": AblationConfig, "deltas": DeltaConfig, "evaluation": EvaluationConfig,
             "adaptive": AdaptiveStudyConfig}
 
@@ -242,3 +241,66 @@ def load_study_config(name_or_path: str, overrides: List[str] = ()) -> StudyConf
     values = OmegaConf.to_container(raw, resolve=True)
     values.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     return study_config_from_dict(values)
+
+
+# --------------------------------------------------------------------------------------------
+# kind: adaptive (issue 19; the study itself: quatro_nemo/study/adaptive.py)
+# --------------------------------------------------------------------------------------------
+
+DEFAULT_CONDITION = "default"
+
+
+def _default_strategies() -> Dict[str, Dict[str, Any]]:
+    return {"controller": {"delta_controller": "kl"}, "variance": {"delta_per_query": "reward_variance"}}
+
+
+def _default_stress() -> Dict[str, Dict[str, Any]]:
+    return {"lr4": {"lr_multiplier": 4.0}, "K4": {"inner_loops": 4}}
+
+
+@dataclass
+class AdaptiveStudyConfig:
+    """The ``adaptive:`` section of a ``kind: adaptive`` study (errors name the key)."""
+
+    tasks: List[str] = field(default_factory=lambda: list(REWARD_KINDS))     # task.reward values
+    fixed_deltas: List[float] = field(default_factory=lambda: [0.02, 0.05, 0.1, 0.2])
+    strategies: Dict[str, Dict[str, Any]] = field(default_factory=_default_strategies)  # name -> QuatroConfig fields
+    stress: Dict[str, Dict[str, Any]] = field(default_factory=_default_stress)  # name -> inner_loops / lr_multiplier
+    seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
+    # an arm breaks under a stress condition when its mean final held-out reward there is below
+    # this fraction of its reward at the default condition
+    tolerance: float = 0.9
+
+    def validate(self) -> None:
+        if not self.tasks or any(t not in REWARD_KINDS for t in self.tasks) or len(set(self.tasks)) != len(self.tasks):
+            raise StudyConfigError(f"adaptive.tasks must be distinct values of {list(REWARD_KINDS)}, got {self.tasks}")
+        _check_positive("adaptive.fixed_deltas", self.fixed_deltas, integer=False)
+        if len(set(self.fixed_deltas)) < 2:
+            raise StudyConfigError(f"adaptive.fixed_deltas needs at least two radii (a frontier), got {self.fixed_deltas}")
+        if not isinstance(self.strategies, dict) or not self.strategies:
+            raise StudyConfigError(f"adaptive.strategies must map names to QuatroConfig fields, got {self.strategies!r}")
+        for name, fields in self.strategies.items():
+            key = f"adaptive.strategies.{name}"
+            if not isinstance(fields, dict):
+                raise StudyConfigError(f"{key} must be a mapping of QuatroConfig fields, got {fields!r}")
+            try:
+                config = QuatroConfig.from_dict(fields, source=key)
+            except ValueError as exc:
+                raise StudyConfigError(f"{key}: {exc}") from exc
+            if not config.adaptive_delta:
+                raise StudyConfigError(f"{key} turns no adaptive radius on (delta_controller or delta_per_query)")
+        if not isinstance(self.stress, dict):
+            raise StudyConfigError(f"adaptive.stress must map names to settings, got {self.stress!r}")
+        for name, values in self.stress.items():
+            key = f"adaptive.stress.{name}"
+            if name == DEFAULT_CONDITION or not isinstance(values, dict) or not values \
+                    or set(values) - {"inner_loops", "lr_multiplier"}:
+                raise StudyConfigError(f"{key} must be a non-empty mapping of inner_loops / lr_multiplier "
+                                       f"(and not named {DEFAULT_CONDITION!r}), got {values!r}")
+            if "inner_loops" in values:
+                _check_positive(f"{key}.inner_loops", [values["inner_loops"]], integer=True)
+            if "lr_multiplier" in values:
+                _check_positive(f"{key}.lr_multiplier", [values["lr_multiplier"]], integer=False)
+        _check_seeds("adaptive.seeds", self.seeds)
+        if not 0.0 < self.tolerance <= 1.0:
+            raise StudyConfigError(f"adaptive.tolerance must be in (0, 1], got {self.tolerance}")

@@ -21,7 +21,9 @@ from quatro_nemo.study.analysis import (BASE, EVAL_KIND, Study, advantage_table,
                                         load_base, load_runs, write_archive)
 from quatro_nemo.study.config import QUATRO, StudyConfig
 from quatro_nemo.study.evaluation import STUDY_EVAL, evaluate_base
-from quatro_nemo.study.plan import RunSpec, StudyPlan, build_plan, sweep_line, sweep_lines, train_args
+from quatro_nemo.study.adaptive import build_adaptive_plan
+from quatro_nemo.study.adaptive_report import write_adaptive_report
+from quatro_nemo.study.plan import StudyPlan, build_paper_plan, read_defaults, sweep_line, sweep_lines, train_args
 from quatro_nemo.study.report import write_study_report
 from quatro_nemo.study.runner import RunResult, StudyInterrupted, execute, is_done, is_trained, prewarm, run_dir
 
@@ -79,12 +81,18 @@ def archive_runs(run_dirs: Dict[str, str], study_dir: str) -> int:
     return kept
 
 
+def build_plan(cfg: StudyConfig) -> StudyPlan:
+    """The study's runs, by its kind: the paper's comparison (``plan.build_paper_plan``) or the
+    adaptive-delta study (``adaptive.build_adaptive_plan``)."""
+    if cfg.kind == "adaptive":
+        return build_adaptive_plan(cfg, read_defaults(cfg, [QUATRO]))
+    return build_paper_plan(cfg)
+
+
 def write_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out_dir: str,
                  info: Dict[str, Any]) -> Dict[str, Any]:
     """Load the kept metrics of ``study_dir``, test the claims, write report.md / report.json / PNGs."""
     if cfg.kind == "adaptive":
-        from quatro_nemo.study.adaptive import write_adaptive_report
-
         return write_adaptive_report(cfg, plan, study_dir, out_dir, info)
     study = Study(cfg, plan, load_runs(study_dir, list(plan.runs)), load_base(study_dir))
     quatro = plan.defaults.algorithm_fields[QUATRO]

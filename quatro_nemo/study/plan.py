@@ -119,11 +119,9 @@ class StudyPlan:
                 or (self.adaptive is not None and self.adaptive.needs_full_evaluation(spec)))
 
 
-def build_plan(cfg: StudyConfig) -> StudyPlan:
-    if cfg.kind == "adaptive":
-        from quatro_nemo.study.adaptive import build_adaptive_plan
-
-        return build_adaptive_plan(cfg, read_defaults(cfg, [QUATRO]))
+def build_paper_plan(cfg: StudyConfig) -> StudyPlan:
+    """The run list of a ``kind: paper`` study (``kind: adaptive``: ``adaptive.build_adaptive_plan``;
+    ``driver.build_plan`` chooses)."""
     algorithms = sorted(set(cfg.algorithms) | set(cfg.sweeps.algorithms))
     defaults = read_defaults(cfg, algorithms)
     runs: Dict[str, RunSpec] = {}

@@ -28,8 +28,8 @@ from quatro_nemo.data.schema import iter_jsonl
 from quatro_nemo.engine.config import load_config
 from quatro_nemo.study.analysis import EVAL_KIND, archive_path, read_archive
 from quatro_nemo.study.config import StudyConfig
-from quatro_nemo.study.driver import INVOCATIONS_FILE
-from quatro_nemo.study.plan import build_plan, train_args
+from quatro_nemo.study.driver import INVOCATIONS_FILE, build_plan
+from quatro_nemo.study.plan import train_args
 
 
 def _line(x: List[float], y: List[float]) -> Tuple[float, float]:

@@ -12,7 +12,7 @@ from quatro_nemo.study.analysis import (BASE, EVAL_KIND, Study, advantage_table,
                                         claim_advantage_vs_correct, evaluate_claims, load_base, load_runs,
                                         write_archive)
 from quatro_nemo.study.config import study_config_from_dict
-from quatro_nemo.study.plan import build_plan
+from quatro_nemo.study.driver import build_plan
 from quatro_nemo.study.report import to_markdown, write_study_report
 from quatro_nemo.study.stats import (INCONCLUSIVE, NOT_REPRODUCED, NOT_TESTED, OPPOSES, REPRODUCED,
                                      NOT_SIGNIFICANT)
