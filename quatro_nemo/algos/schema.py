@@ -20,7 +20,7 @@ SCHEMA_GROUP = "schema/algorithm"
 
 @functools.lru_cache(maxsize=None)
 def algorithm_schema(name: str) -> Type[AlgorithmConfig]:
-    """The config dataclass of algorithm ``name`` with a leading ``name`` field defaulting to it."""
+    """The config dataclass of algorithm ``name`` plus a ``name`` field defaulting to it."""
     config_cls = get_algorithm(name).config_cls
     schema = dataclasses.make_dataclass(
         config_cls.__name__, [("name", str, dataclasses.field(default=name))], bases=(config_cls,),
