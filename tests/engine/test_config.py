@@ -126,11 +126,14 @@ def _train_recipe():
     (["trainer.lr=abc"], 1, "trainer.lr"),
     (["algorithm=nope"], 1, "algorithm/nope"),
 ])
-def test_train_entry_point_rejects_bad_config_before_training(argv, code, named, tmp_path, capsys):
+def test_train_entry_point_rejects_bad_config_before_training(argv, code, named, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "run"
     assert _train_recipe().main([*argv, f"run.dir={run_dir}"]) == code
     assert named in capsys.readouterr().err
     assert not (run_dir / "config.yaml").exists()   # nothing trained
+    assert set(os.listdir(tmp_path)) <= {"run"} and os.getcwd() == str(tmp_path)   # no outputs/, no chdir
+    assert not os.path.exists(run_dir) or os.listdir(run_dir) == []                  # no .hydra/
 
 
 def test_cfg_job_prints_the_composed_config_without_running(tmp_path):

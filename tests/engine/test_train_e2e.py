@@ -84,6 +84,7 @@ def test_multirun_trains_each_job_in_its_own_run_directory(tmp_path, tiny_args):
         with open(run_dir / "report.json") as f:
             assert json.load(f)["algorithm"] == algorithm
         assert [r["step"] for r in train_records(str(run_dir)) if r["kind"] == "train"] == [1]
+        assert not (run_dir / ".hydra").exists()
     assert not (REPO / "outputs").exists() and not (REPO / "multirun").exists()
 
 
