@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from quatro_nemo.algos import GSPOConfig, QuatroConfig
 from quatro_nemo.data.countdown import CountdownTaskConfig
-from quatro_nemo.engine.config import ConfigError, hydra_command_line, load_config, split_primary, validate
+from quatro_nemo.engine.config import (ConfigError, ExperimentSections, LoggingConfig, hydra_command_line, load_config,
+                                       split_primary, validate)
 from quatro_nemo.engine.task import CountdownTaskSection, JsonlTaskConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -145,7 +146,9 @@ def test_cfg_job_prints_the_composed_config_without_running(tmp_path):
     printed = OmegaConf.create(result.stdout)
     assert printed.algorithm.name == "gspo" and printed.algorithm.clip_low == GSPOConfig().clip_low
     assert printed.trainer.lr == 2e-6 and printed.model.hidden_size == 3584 and printed.task.name == "jsonl"
-    assert "hydra" not in printed
+    # every section of the schema, with the dataclasses' defaults where no YAML sets a key
+    assert set(printed) == {f.name for f in dataclasses.fields(ExperimentSections)}
+    assert printed.logging == OmegaConf.structured(LoggingConfig()) and printed.run.resume is True
     assert not run_dir.exists() and sorted(os.listdir(tmp_path)) == []   # no outputs/, no .hydra/
     # what it prints is what a run validates
     assert dataclasses.asdict(validate(printed)) == dataclasses.asdict(
