@@ -3,6 +3,7 @@
 import json
 import os
 
+import hydra
 import pytest
 import torch
 
@@ -26,7 +27,6 @@ def problem_files(tmp_path):
 
 
 def _compose(overrides):
-    hydra = pytest.importorskip("hydra")
     register_recipe_configs()
     with hydra.initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base=None):
         return hydra.compose(config_name="aligner/gpt_quatro_actor", overrides=overrides)
