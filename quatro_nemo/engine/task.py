@@ -1,6 +1,7 @@
 """What the training loop trains on: prompts, a tokenizer, a verifier and the base model.
 
-`build_task(cfg)` reads the `task:` section (`task.name` picks the kind):
+`build_task(cfg)` reads the typed `task:` section; the config group option `task=<name>`
+(conf/task/<name>.yaml, schema :data:`TASK_SCHEMAS`) picks the kind:
 
 - `countdown`: the embedded CPU task (quatro_nemo.data.countdown). The base model comes from the
   cached supervised warm-start (quatro_nemo.engine.warmstart), the same in every parallel layout.
