@@ -86,14 +86,13 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
     ``optimizer_steps[algorithm name]``."""
     from quatro_nemo.algos import get_algorithm
     from quatro_nemo.engine.loop import build_training_state, learn_from_rollout, local_prompt_slots, shape_rewards
-    from quatro_nemo.engine.memory_plan import section_from_dict
     from quatro_nemo.engine.rollout import MegatronRolloutBackend
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
     from quatro_nemo.megatron.models import build_model
 
     spec, trainer = get_algorithm(cfg.algorithm_name), cfg.trainer
     slots = local_prompt_slots(NUM_PROMPTS, MINI_BATCH_PROMPTS, 0, 1)
-    scale = section_from_dict("scale", cfg.other.get("scale"))
+    scale = cfg.scale
     state = {}
 
     def prepare():

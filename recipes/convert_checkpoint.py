@@ -89,7 +89,7 @@ def run_to_hf(out: str, train_args: Sequence[str], step: Optional[int] = None) -
     from quatro_nemo.megatron.parallel import initialize_parallel
 
     config = load_config(train_args)
-    cfg = ModelConfig(**config.model)
+    cfg = config.model
     run_dir = config.run.dir
     step = ckpt.latest_step(run_dir) if step is None else step
     if step is None:
@@ -97,7 +97,7 @@ def run_to_hf(out: str, train_args: Sequence[str], step: Optional[int] = None) -
     initialize_parallel(config.parallel.tensor, config.parallel.pipeline, seed=config.run.seed)
     model = build_model(cfg)
     ckpt.load_model_weights(run_dir, step, model)   # sharded: loads at any layout
-    hf_dir = (config.task or {}).get("hf_checkpoint") or None
+    hf_dir = (config.task.hf_checkpoint or None) if config.task.name == "jsonl" else None
     base = read_hf_checkpoint(hf_dir, lazy=True)[0] if hf_dir and os.path.isdir(hf_dir) else None
     export_megatron_to_hf(model, cfg, out, base_config=base, tokenizer_dir=hf_dir if base else None)
 

@@ -6,10 +6,11 @@
     python recipes/plan_memory.py config=quatro_7b --json        # machine-readable
     python recipes/plan_memory.py config=quatro_7b --measured-peak-gb=41.3   # next to a measurement
 
-Takes the same key=value arguments as recipes/train.py. Exit code 0: the layout fits; 2: a
-config error or a layout that cannot fit (the message names the setting to change). Pure
-arithmetic (quatro_nemo/engine/memory_plan.py): no GPU needed; it plans for the packages of the
-machine it runs on (Transformer Engine, apex), so run it where the training runs.
+Takes the same arguments as recipes/train.py (Hydra overrides and config=NAME, composed with
+Hydra's compose API; no Hydra flags). Exit code 0: the layout fits; 2: a config error or a
+layout that cannot fit (the message names the setting to change). Pure arithmetic
+(quatro_nemo/engine/memory_plan.py): no GPU needed; it plans for the packages of the machine it
+runs on (Transformer Engine, apex), so run it where the training runs.
 
 ``--measured-peak-gb=X`` (e.g. ``torch.cuda.max_memory_allocated() / 1e9`` of a run of the same
 config, as scripts/gpu_check.sh prints) adds a line comparing it with the plan's
@@ -24,18 +25,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from omegaconf import OmegaConf  # noqa: E402
-
-from quatro_nemo.engine.config import ConfigError, compose  # noqa: E402
-from quatro_nemo.engine.memory_plan import PLAN_SECTIONS, MemoryPlan, PlanError, plan_from_sections  # noqa: E402
+from quatro_nemo.engine.config import ConfigError, load_config, memory_plan  # noqa: E402
+from quatro_nemo.engine.memory_plan import MemoryPlan, PlanError  # noqa: E402
 
 
 def plan_for_arguments(argv) -> MemoryPlan:
-    """Compose the config like recipes/train.py and plan it (raises ConfigError / PlanError)."""
-    cfg = compose(argv)
-    sections = {name: OmegaConf.to_container(cfg[name], resolve=True) if name in cfg else {}
-                for name in ("model", "parallel", "trainer", "rollout", "algorithm", *PLAN_SECTIONS)}
-    return plan_from_sections(**sections)
+    """Compose and validate the config like recipes/train.py (Hydra's compose API) and plan it
+    (raises ConfigError / PlanError)."""
+    return memory_plan(load_config(argv))
 
 
 MEASURED_FLAG = "--measured-peak-gb="

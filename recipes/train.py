@@ -5,10 +5,17 @@
     python recipes/train.py algorithm=gspo trainer.inner_loops=4 algorithm.clip_low=3e-4
     python recipes/train.py config=quatro_1p5b run.dir=/scratch/runs/q1p5b
     torchrun --nproc-per-node 2 recipes/train.py parallel.tensor=2
+    python recipes/train.py -m algorithm=quatro,gspo trainer.steps=2     # two runs: <run.dir>/0, <run.dir>/1
+    python recipes/train.py config=quatro_7b --cfg job                   # print the composed config
 
-Arguments are `key=value` overrides of the YAML under conf/ (see quatro_nemo/engine/config.py).
-Re-running the same command resumes from the newest checkpoint in run.dir. SIGUSR1/SIGTERM save a
-checkpoint and exit with code 75 (requeue me); the SLURM templates rely on it.
+A Hydra app (hydra-core 1.3) over conf/: arguments are Hydra overrides (``key=value``,
+``group=option``, ``++key=value``) and flags (``-m``, ``--cfg job``, ``--help``); ``config=NAME``
+chooses the primary config conf/NAME.yaml (Hydra's ``--config-name``). See
+quatro_nemo/engine/config.py and the README. Exit codes: 0 done; 1 Hydra rejected an override
+(its message names the key) or training failed; 2 a config value failed validation (the message
+names the key); 75 preempted. Re-running the same command resumes from the newest checkpoint in
+run.dir. SIGUSR1/SIGTERM save a checkpoint and exit with code 75 (requeue me); the SLURM
+templates rely on it.
 """
 from __future__ import annotations
 
@@ -18,22 +25,41 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from quatro_nemo.engine.config import ConfigError, load_config  # noqa: E402
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from quatro_nemo.engine.config import (CONF_DIR, DEFAULT_PRIMARY, HYDRA_VERSION_BASE, ConfigError,  # noqa: E402
+                                       hydra_command_line, hydra_job_config, register_configs)
 from quatro_nemo.engine.loop import train  # noqa: E402
 from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted  # noqa: E402
 
+CONFIG_ERROR_EXIT_CODE = 2
 
-def main(argv) -> int:
+register_configs()
+
+
+@hydra.main(config_path=CONF_DIR, config_name=DEFAULT_PRIMARY, version_base=HYDRA_VERSION_BASE)
+def train_job(cfg: DictConfig) -> None:
+    """One training run (each job of a multirun is one). Exits are SystemExit, which Hydra passes on."""
     try:
-        config = load_config(argv)
+        config = hydra_job_config(cfg)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        raise SystemExit(CONFIG_ERROR_EXIT_CODE) from exc
     try:
         train(config)
     except Preempted as exc:
         print(f"preempted: {exc}; checkpoint saved, exiting with {PREEMPTED_EXIT_CODE}", file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
+        raise SystemExit(PREEMPTED_EXIT_CODE) from exc
+
+
+def main(argv) -> int:
+    """Run the Hydra app on ``argv`` (``config=NAME`` -> ``--config-name=NAME``); the exit code."""
+    sys.argv = [sys.argv[0], *hydra_command_line(argv)]
+    try:
+        train_job()
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
     return 0
 
 

@@ -43,14 +43,14 @@ from nemo_aligner.utils.train_script_utils import (
 )
 from nemo_aligner.utils.utils import load_and_override_model_config, load_from_nemo, retrieve_model_state_dict_in_cpu
 from quatro_nemo.aligner.actor import QuatroReinforceActor
-from quatro_nemo.aligner.config import register_resolvers, validate_recipe_config
+from quatro_nemo.aligner.config import register_recipe_configs, validate_recipe_config
 from quatro_nemo.aligner.data import ProblemPromptDataset, collate_with_prompt_ids
 from quatro_nemo.data.schema import read_problems
 from quatro_nemo.aligner.rewards import build_reward_client
 from quatro_nemo.aligner.trainer import QuatroReinforceTrainer
 from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
 
-register_resolvers()
+register_recipe_configs()
 
 mp.set_start_method("spawn", force=True)
 

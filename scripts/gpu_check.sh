@@ -40,7 +40,7 @@ if [ $# -gt 0 ] && [[ $1 != *=* ]]; then
 fi
 overrides=("$@")
 
-if ! "$PYTHON" -c "import megatron.core, omegaconf, scipy, safetensors" 2>/dev/null; then
+if ! "$PYTHON" -c "import megatron.core, omegaconf, hydra, scipy, safetensors" 2>/dev/null; then
     [ -n "$wheels" ] || die "megatron-core (or another requirements/gpu_check.txt package) is missing: pass a wheel directory (bash scripts/gpu_check.sh WHEEL_DIR; see this script's header)"
     [ -d "$wheels" ] || die "wheel directory '$wheels' not found"
     say "installing requirements/gpu_check.txt from $wheels (no index)"

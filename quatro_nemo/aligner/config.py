@@ -12,6 +12,7 @@ from typing import Any, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from quatro_nemo.algos import AlgorithmConfig, AlgorithmSpec, build_algorithm
+from quatro_nemo.algos.schema import register_algorithm_schemas
 from quatro_nemo.aligner.rewards import REWARD_KINDS
 
 
@@ -64,6 +65,14 @@ def register_resolvers() -> None:
     for name, fn in (("multiply", lambda x, y: x * y), ("int_div", lambda x, y: x // y),
                      ("subtract", lambda x, y: x - y)):
         OmegaConf.register_new_resolver(name, fn, replace=True)
+
+
+def register_recipe_configs() -> None:
+    """What composing conf/aligner/*.yaml needs, before Hydra runs: the resolvers and the algorithm
+    schemas in Hydra's ConfigStore (conf/algorithm/<name>.yaml starts from schema/algorithm/<name>,
+    so an unknown ``model.quatro.algorithm.*`` key fails while Hydra composes)."""
+    register_resolvers()
+    register_algorithm_schemas()
 
 
 def _require(cfg: DictConfig, key: str) -> Any:

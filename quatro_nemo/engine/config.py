@@ -1,44 +1,69 @@
-"""The run configuration: YAML files under conf/, composed Hydra-style, validated into dataclasses.
+"""The run configuration: Hydra (hydra-core 1.3) composes conf/ into typed, validated dataclasses.
 
-Layout of conf/ (the same as a Hydra config directory):
+Layout of conf/ (a Hydra config directory):
 
-    conf/config.yaml            the primary config (the embedded CPU default)
-    conf/<group>/<option>.yaml  one option of a config group (model/, algorithm/, ...)
+    conf/config.yaml              a primary config (the embedded CPU default); also quatro_1p5b.yaml, ...
+    conf/base/experiment.yaml     what every primary config starts from: the schema, Hydra's settings
+    conf/<group>/<option>.yaml    one option of a config group: model/, algorithm/, task/
 
-A primary config starts with a Hydra-style ``defaults:`` list choosing one option per group,
-e.g. ``- algorithm: quatro``. Command-line arguments are OmegaConf dot-list overrides:
+Command-line arguments are Hydra overrides, plus ``config=NAME`` to choose the primary config:
 
-    config=quatro_1p5b          choose the primary config file (conf/quatro_1p5b.yaml)
-    algorithm=gspo              choose a group option (conf/algorithm/gspo.yaml)
-    algorithm.delta=0.1         override one key
+    config=quatro_1p5b          the primary config conf/quatro_1p5b.yaml (Hydra's --config-name)
+    algorithm=gspo              a group option (conf/algorithm/gspo.yaml)
+    algorithm.delta=0.1         one key;  ++key=value adds or overrides, as in any Hydra app
 
-Composition order (later wins): group options, the primary file's own keys, command-line keys.
-The ``algorithm`` and ``model`` sections start from their dataclass defaults, so every field of
-the algorithm's config can be overridden without being repeated in YAML. Unknown keys and
-ill-typed values fail at start-up with the full key in the message.
+Every section is typed by a dataclass registered in Hydra's ConfigStore (:func:`register_configs`):
+the engine's sections below, ``model`` (quatro_nemo.megatron.models.ModelConfig), ``algorithm``
+(the chosen algorithm's config, quatro_nemo.algos.schema), ``task`` (quatro_nemo.engine.task),
+``warmstart`` (quatro_nemo.engine.warmstart) and ``cluster``/``scale``/``vllm``
+(quatro_nemo.engine.memory_plan). Composition order (later wins): the schema's defaults, group
+options, the primary file's own keys, command-line overrides. Unknown keys and ill-typed values
+fail while Hydra composes (OmegaConf struct mode against the schema); :func:`validate` then builds
+the dataclasses, whose ``__post_init__`` checks the values, and is the one place that turns any
+config (Hydra's, or a run's saved config.yaml) into an :class:`ExperimentConfig`. Every error
+names the key.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from quatro_nemo.algos import get_algorithm
+from quatro_nemo.algos import ALGORITHMS, AlgorithmConfig, build_algorithm
+from quatro_nemo.algos.schema import algorithm_schema, register_algorithm_schemas
+from quatro_nemo.engine.memory_plan import (ClusterConfig, MemoryPlan, PlanError, ScaleConfig, VllmConfig,
+                                           plan_from_sections)
+from quatro_nemo.engine.task import TASK_SCHEMAS, register_task_schemas
+from quatro_nemo.engine.warmstart import WarmStartConfig
+from quatro_nemo.megatron.models import ModelConfig
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
+PRIMARY_KEY = "config"          # config=NAME on the command line: the primary config conf/NAME.yaml
+DEFAULT_PRIMARY = "config"      # conf/config.yaml, the embedded CPU default
+HYDRA_VERSION_BASE = "1.3"
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending key or file."""
 
 
+def _positive(key: str, value: Any) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value!r}")
+
+
+def _in_unit_interval(key: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{key} must be in (0, 1], got {value}")
+
+
 # --------------------------------------------------------------------------------------------
-# Sections owned by the engine (the model, algorithm, task and warm-start sections are validated
-# by their own dataclasses in quatro_nemo.megatron.models, quatro_nemo.algos and quatro_nemo.data).
+# Sections owned by the engine; each checks its values in __post_init__.
 # --------------------------------------------------------------------------------------------
 
 
@@ -60,6 +85,17 @@ class ParallelConfig:
     max_tokens_per_micro_batch: Optional[int] = None
     sequence_packing: bool = False  # THD packing of each budget micro-batch (GPU, Transformer Engine only)
 
+    def __post_init__(self) -> None:
+        for key in ("tensor", "pipeline", "micro_batch_size"):
+            _positive(f"parallel.{key}", getattr(self, key))
+        if self.max_tokens_per_micro_batch:
+            if self.max_tokens_per_micro_batch < 2:
+                raise ConfigError("parallel.max_tokens_per_micro_batch must be >= 2 tokens (or 0/null: off), "
+                                  f"got {self.max_tokens_per_micro_batch}")
+        elif self.sequence_packing:
+            raise ConfigError("parallel.sequence_packing=true needs parallel.max_tokens_per_micro_batch > 0 "
+                              "(packing fills token-budget micro-batches)")
+
 
 @dataclass
 class TrainerConfig:
@@ -80,6 +116,18 @@ class TrainerConfig:
     eval_every: int = 0             # rollout steps between held-out evaluations (0: start and end)
     log_every: int = 1
 
+    def __post_init__(self) -> None:
+        for key in ("steps", "prompts_per_step", "inner_loops", "lr"):
+            _positive(f"trainer.{key}", getattr(self, key))
+        mini = self.mini_batch_prompts or self.prompts_per_step
+        if self.prompts_per_step % mini != 0:
+            raise ConfigError(f"trainer.mini_batch_prompts ({mini}) must divide trainer.prompts_per_step "
+                              f"({self.prompts_per_step})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"trainer.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.grad_clip < 0 or self.weight_decay < 0 or self.checkpoint_every < 0 or self.eval_every < 0:
+            raise ConfigError("trainer.grad_clip, weight_decay, checkpoint_every and eval_every must be >= 0")
+
 
 @dataclass
 class RolloutConfig:
@@ -88,6 +136,15 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32        # maximum response length in tokens
+
+    def __post_init__(self) -> None:
+        _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.temperature", self.temperature)
+        if self.n < 2:
+            raise ConfigError(f"rollout.n must be >= 2 (a group needs several responses), got {self.n}")
+        _in_unit_interval("rollout.top_p", self.top_p)
+        if self.backend not in ("megatron", "vllm"):
+            raise ConfigError(f"rollout.backend must be megatron or vllm, got {self.backend!r}")
 
 
 @dataclass
@@ -99,6 +156,13 @@ class EvalConfig:
     ucc_criterion: str = "exact"    # near-duplicate criterion for UCC@k (see quatro_nemo.eval)
     ucc_threshold: float = 1.0
 
+    def __post_init__(self) -> None:
+        _positive("eval.n_samples", self.n_samples)
+        _positive("eval.temperature", self.temperature)
+        _in_unit_interval("eval.top_p", self.top_p)
+        if self.num_problems < 0:
+            raise ConfigError(f"eval.num_problems must be >= 0, got {self.num_problems}")
+
 
 @dataclass
 class LoggingConfig:
@@ -107,264 +171,202 @@ class LoggingConfig:
     wandb_project: str = "quatro-nemo"
 
 
-ENGINE_SECTIONS = {
-    "run": RunConfig,
-    "parallel": ParallelConfig,
-    "trainer": TrainerConfig,
-    "rollout": RolloutConfig,
-    "eval": EvalConfig,
-    "logging": LoggingConfig,
-}
-
-
 # --------------------------------------------------------------------------------------------
-# Composition
-# --------------------------------------------------------------------------------------------
-
-
-def _load_yaml(path: str) -> DictConfig:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        return OmegaConf.load(path)
-    except Exception as exc:  # yaml errors carry line numbers in their message
-        raise ConfigError(f"cannot parse {path}: {exc}") from exc
-
-
-def config_groups(conf_dir: str = CONF_DIR) -> List[str]:
-    return sorted(d for d in os.listdir(conf_dir) if os.path.isdir(os.path.join(conf_dir, d)))
-
-
-def _group_options(group: str, conf_dir: str) -> List[str]:
-    folder = os.path.join(conf_dir, group)
-    return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
-
-
-def split_arguments(argv: Sequence[str], conf_dir: str = CONF_DIR) -> Tuple[str, Dict[str, str], List[str]]:
-    """Split command-line arguments into (primary config name, group choices, key overrides)."""
-    primary = "config"
-    groups = config_groups(conf_dir)
-    choices: Dict[str, str] = {}
-    overrides: List[str] = []
-    for arg in argv:
-        if "=" not in arg:
-            raise ConfigError(f"argument {arg!r} is not of the form key=value")
-        key, value = arg.split("=", 1)
-        if key == "config":
-            primary = value
-        elif key in groups:
-            choices[key] = value
-        else:
-            overrides.append(arg)
-    return primary, choices, overrides
-
-
-def _defaults_list(primary: DictConfig, path: str) -> Dict[str, str]:
-    chosen: Dict[str, str] = {}
-    for entry in primary.get("defaults", []) or []:
-        if isinstance(entry, str) and entry == "_self_":
-            continue
-        if not isinstance(entry, DictConfig) or len(entry) != 1:
-            raise ConfigError(f"{path}: each defaults entry must be 'group: option', got {entry}")
-        (group, option), = entry.items()
-        chosen[str(group)] = str(option)
-    return chosen
-
-
-def _section_defaults(section: str, given: DictConfig) -> DictConfig:
-    """Dataclass defaults of a section validated by another layer, so that every field of its
-    dataclass can be overridden without being repeated in YAML (empty for free-form sections)."""
-    if section == "algorithm":
-        name = given.get("name")
-        if name is None:
-            raise ConfigError("the algorithm section has no 'name'")
-        spec = get_algorithm(str(name))
-        return OmegaConf.merge({"name": str(name)}, dataclasses.asdict(spec.config_cls()))
-    if section == "model":
-        from quatro_nemo.megatron.models import ModelConfig
-
-        # the raw field defaults: the architecture's flavour (norm, SwiGLU, RoPE...) stays None
-        # until ModelConfig.__post_init__ fills it in for the chosen architecture
-        return OmegaConf.create(_raw_field_defaults(ModelConfig))
-    if section == "task":
-        from quatro_nemo.engine.task import task_defaults
-
-        return OmegaConf.create(task_defaults(str(given.get("name"))))
-    if section == "warmstart":
-        from quatro_nemo.engine.warmstart import WarmStartConfig
-
-        return OmegaConf.create(dataclasses.asdict(WarmStartConfig()))
-    from quatro_nemo.engine.memory_plan import PLAN_SECTIONS
-
-    if section in PLAN_SECTIONS:  # cluster, scale, vllm: the cluster-scale settings
-        return OmegaConf.create(dataclasses.asdict(PLAN_SECTIONS[section]()))
-    return OmegaConf.create({})
-
-
-def _raw_field_defaults(cls: type) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            out[f.name] = f.default_factory()  # type: ignore[misc]
-    return out
-
-
-def compose(argv: Sequence[str] = (), conf_dir: str = CONF_DIR) -> DictConfig:
-    """Compose conf/ files and command-line overrides into one config (validated by `validate`)."""
-    primary_name, cli_choices, overrides = split_arguments(argv, conf_dir)
-    primary_path = os.path.join(conf_dir, primary_name + ".yaml")
-    primary = _load_yaml(primary_path)
-    choices = _defaults_list(primary, primary_path)
-    choices.update(cli_choices)
-
-    cfg = OmegaConf.create({name: dataclasses.asdict(cls()) for name, cls in ENGINE_SECTIONS.items()})
-    for group, option in choices.items():
-        options = _group_options(group, conf_dir) if os.path.isdir(os.path.join(conf_dir, group)) else []
-        if option not in options:
-            raise ConfigError(f"{group}={option}: no such option; choose one of {options} (conf/{group}/)")
-        option_cfg = _load_yaml(os.path.join(conf_dir, group, option + ".yaml"))
-        cfg[group] = OmegaConf.merge(_section_defaults(group, option_cfg), option_cfg)
-
-    body = OmegaConf.masked_copy(primary, [k for k in primary if k != "defaults"])
-    for section in body:
-        if section not in cfg:  # a section the primary file introduces (task, warmstart, ...)
-            cfg[section] = _section_defaults(str(section), body[section])
-    try:
-        # The files may add keys (each section's dataclass validates them in `validate`); the
-        # command line may only override keys that exist, so a typo fails here, by name.
-        cfg = OmegaConf.merge(cfg, body)
-        OmegaConf.set_struct(cfg, True)
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"config key {getattr(exc, 'full_key', '?')}: {getattr(exc, 'msg', exc)} "
-                          f"(check the spelling; conf/ lists every key)") from exc
-    OmegaConf.set_struct(cfg, False)
-    cfg["choices"] = dict(choices, config=primary_name)
-    return cfg
-
-
-# --------------------------------------------------------------------------------------------
-# Validation into typed dataclasses
+# The whole run, typed
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass
-class ExperimentConfig:
-    """Every section, typed. Built once at start-up by `load_config`."""
+class ExperimentSections:
+    """Every section of a run config: the schema Hydra composes against (ConfigStore
+    ``schema/experiment``, listed first by conf/base/experiment.yaml)."""
 
-    run: RunConfig
-    parallel: ParallelConfig
-    trainer: TrainerConfig
-    rollout: RolloutConfig
-    eval: EvalConfig
-    logging: LoggingConfig
-    algorithm_name: str
-    algorithm: Any                  # the algorithm's config dataclass (quatro_nemo.algos)
-    model: Dict[str, Any]           # validated by quatro_nemo.megatron.models.ModelConfig
-    task: Dict[str, Any]            # validated by the task's own config
-    warmstart: Dict[str, Any] = field(default_factory=dict)
-    other: Dict[str, Any] = field(default_factory=dict)  # sections of other layers (cluster, scale, vllm)
-    raw: Optional[DictConfig] = None  # the composed config, saved to the run directory
+    run: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    model: ModelConfig = MISSING          # quatro_nemo.megatron.models; vocab_size null: the task's
+    algorithm: AlgorithmConfig = MISSING  # the option's schema (quatro_nemo.algos.schema): config + name
+    task: Any = MISSING                   # the option's schema: TASK_SCHEMAS[task.name] (engine/task.py)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)   # cluster-scale settings:
+    scale: ScaleConfig = field(default_factory=ScaleConfig)         # quatro_nemo.engine.memory_plan
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
-def _typed_section(cfg: DictConfig, name: str, cls: type) -> Any:
+@dataclass
+class ExperimentConfig(ExperimentSections):
+    """The validated run config, built once at start-up by :func:`validate`: each section its
+    dataclass (``algorithm``: the algorithm's config class, e.g. QuatroConfig)."""
+
+    algorithm_name: str = ""
+    raw: Optional[DictConfig] = None  # the composed config as plain data, saved to the run directory
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore: ``schema/experiment`` (every section),
+    ``schema/algorithm/<name>`` and ``schema/task/<name>`` (one per group option)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="schema", name="experiment", node=ExperimentSections)
+    register_algorithm_schemas()
+    register_task_schemas()
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: the one place a composed or saved config becomes an ExperimentConfig
+# --------------------------------------------------------------------------------------------
+
+
+def _omegaconf_message(exc: OmegaConfBaseException) -> str:
+    return f"config key {getattr(exc, 'full_key', '?')}: {str(getattr(exc, 'msg', exc)).splitlines()[0]}"
+
+
+def _check_option_names(cfg: DictConfig) -> None:
+    """A Hydra-composed ``algorithm``/``task`` section has its option's schema: its ``name`` must be
+    that option's (the option is chosen with algorithm=<name>, not by editing the name)."""
+    for group in ("algorithm", "task"):
+        node = cfg.get(group) if isinstance(cfg, DictConfig) else None
+        schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        chosen = getattr(schema, "__dataclass_fields__", {}).get("name")
+        if chosen is not None and node.get("name") != chosen.default:
+            raise ConfigError(f"{group}.name={node.get('name')!r} does not match the chosen option "
+                              f"{group}={chosen.default}: choose the option with {group}=<name>")
+
+
+def _option_name(composed: dict, group: str, options: Sequence[str]) -> str:
+    section = composed.get(group)
+    name = section.get("name") if isinstance(section, dict) else None
+    if name not in options:
+        raise ConfigError(f"{group}.name={name!r}: choose one of {sorted(options)} "
+                          f"(the defaults list's '{group}: <option>', or {group}=<option> on the command line)")
+    return name
+
+
+def _typed_tree(composed: dict) -> DictConfig:
+    """``composed`` merged into the schema, with the chosen algorithm's and task's dataclasses
+    (OmegaConf struct mode: an unknown key or an ill-typed value raises, naming it)."""
+    schema = OmegaConf.structured(ExperimentSections)
+    schema.algorithm = OmegaConf.structured(algorithm_schema(_option_name(composed, "algorithm", list(ALGORITHMS))))
+    schema.task = OmegaConf.structured(TASK_SCHEMAS[_option_name(composed, "task", list(TASK_SCHEMAS))])
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(cls), cfg[name])
+        return OmegaConf.merge(schema, composed)
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"config key {name}.{getattr(exc, 'full_key', '?')}: {getattr(exc, 'msg', exc)}") from exc
-    return OmegaConf.to_object(merged)
+        raise ConfigError(_omegaconf_message(exc)) from exc
 
 
-def _positive(key: str, value: Any) -> None:
-    if value is None or value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value!r}")
-
-
-def _check_engine_sections(c: ExperimentConfig) -> None:
-    t, r, p, e = c.trainer, c.rollout, c.parallel, c.eval
-    for key, value in [("trainer.steps", t.steps), ("trainer.prompts_per_step", t.prompts_per_step),
-                       ("trainer.inner_loops", t.inner_loops), ("trainer.lr", t.lr),
-                       ("rollout.max_new_tokens", r.max_new_tokens), ("rollout.temperature", r.temperature),
-                       ("parallel.tensor", p.tensor), ("parallel.pipeline", p.pipeline),
-                       ("parallel.micro_batch_size", p.micro_batch_size),
-                       ("eval.n_samples", e.n_samples), ("eval.temperature", e.temperature)]:
-        _positive(key, value)
-    if r.n < 2:
-        raise ConfigError(f"rollout.n must be >= 2 (a group needs several responses), got {r.n}")
-    for key, value in [("rollout.top_p", r.top_p), ("eval.top_p", e.top_p)]:
-        if not 0.0 < value <= 1.0:
-            raise ConfigError(f"{key} must be in (0, 1], got {value}")
-    mini = t.mini_batch_prompts or t.prompts_per_step
-    if t.prompts_per_step % mini != 0:
-        raise ConfigError(
-            f"trainer.mini_batch_prompts ({mini}) must divide trainer.prompts_per_step ({t.prompts_per_step})")
-    if t.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"trainer.device must be auto, cpu or cuda, got {t.device!r}")
-    if r.backend not in ("megatron", "vllm"):
-        raise ConfigError(f"rollout.backend must be megatron or vllm, got {r.backend!r}")
-    if t.grad_clip < 0 or t.weight_decay < 0 or t.checkpoint_every < 0 or t.eval_every < 0:
-        raise ConfigError("trainer.grad_clip, weight_decay, checkpoint_every and eval_every must be >= 0")
-    if e.num_problems < 0:
-        raise ConfigError(f"eval.num_problems must be >= 0, got {e.num_problems}")
-    if p.max_tokens_per_micro_batch is not None and p.max_tokens_per_micro_batch != 0:
-        if p.max_tokens_per_micro_batch < 2:
-            raise ConfigError("parallel.max_tokens_per_micro_batch must be >= 2 tokens (or 0/null: off), "
-                              f"got {p.max_tokens_per_micro_batch}")
-    elif p.sequence_packing:
-        raise ConfigError("parallel.sequence_packing=true needs parallel.max_tokens_per_micro_batch > 0 "
-                          "(packing fills token-budget micro-batches)")
-
-
-KNOWN_SECTIONS = set(ENGINE_SECTIONS) | {"algorithm", "model", "task", "warmstart", "choices"}
-
-
-def _plain_section(cfg: DictConfig, name: str) -> Dict[str, Any]:
-    node = cfg.get(name)
-    return {} if node is None else OmegaConf.to_container(node, resolve=True)
+def _section_object(tree: DictConfig, name: str) -> Any:
+    """One section as its dataclass; the dataclass's own checks run here (``__post_init__``)."""
+    node = tree[name]
+    try:
+        if name == "algorithm":  # the algorithm's config class itself, without the schema's name
+            return build_algorithm(OmegaConf.to_container(node), source="algorithm")[1]
+        return OmegaConf.to_object(node)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_omegaconf_message(exc)) from exc
+    except (ValueError, TypeError) as exc:  # messages name "<Class>.<key>" or "<section>.<key>"
+        message = str(exc).replace(f"{OmegaConf.get_type(node).__name__}.", f"{name}.")
+        raise ConfigError(message if isinstance(exc, ConfigError) else f"config key {message}") from exc
 
 
 def validate(cfg: DictConfig) -> ExperimentConfig:
-    """Turn a composed config into typed sections; raise ConfigError naming the key on bad input."""
-    sections = {name: _typed_section(cfg, name, cls) for name, cls in ENGINE_SECTIONS.items()}
-    algo_section = OmegaConf.to_container(cfg.algorithm, resolve=True)
-    algorithm_name = algo_section.pop("name")
-    spec = get_algorithm(algorithm_name)
-    try:
-        algorithm = spec.config_cls.from_dict(algo_section, source="algorithm")
-    except (ValueError, TypeError) as exc:
-        message = str(exc).replace(f"{spec.config_cls.__name__}.", "algorithm.")
-        raise ConfigError(f"config key {message}") from exc
-    experiment = ExperimentConfig(
-        algorithm_name=algorithm_name,
-        algorithm=algorithm,
-        model=_plain_section(cfg, "model"),
-        task=_plain_section(cfg, "task"),
-        warmstart=_plain_section(cfg, "warmstart"),
-        other={str(k): _plain_section(cfg, str(k)) for k in cfg if k not in KNOWN_SECTIONS},
-        raw=cfg,
-        **sections,
-    )
-    _check_engine_sections(experiment)
+    """Turn a composed config (Hydra's, or a run's saved config.yaml) into typed sections; raise
+    ConfigError naming the key on bad input."""
+    _check_option_names(cfg)
+    composed = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("hydra", "choices"):  # Hydra's own node; the group choices older runs saved
+        composed.pop(key, None)
+    tree = _typed_tree(composed)
+    sections = {f.name: _section_object(tree, f.name) for f in dataclasses.fields(ExperimentSections)}
+    experiment = ExperimentConfig(algorithm_name=tree.algorithm.name, raw=OmegaConf.create(OmegaConf.to_container(tree)),
+                                  **sections)
     _check_cluster_plan(experiment)
     return experiment
 
 
+def memory_plan(c: ExperimentConfig) -> MemoryPlan:
+    """The per-GPU memory and throughput plan of a run (raises PlanError if it cannot fit)."""
+    return plan_from_sections(*(dataclasses.asdict(section) for section in (
+        c.model, c.parallel, c.trainer, c.rollout, c.algorithm, c.cluster, c.scale, c.vllm)))
+
+
 def _check_cluster_plan(c: ExperimentConfig) -> None:
     """Cluster runs (vLLM rollouts): refuse layouts that cannot fit before any GPU is touched."""
-    from quatro_nemo.engine.memory_plan import PLAN_SECTIONS, PlanError, plan_from_sections, section_from_dict
-
+    if c.rollout.backend != "vllm":
+        return
     try:
-        for name in PLAN_SECTIONS:
-            section_from_dict(name, c.other.get(name))
-        if c.rollout.backend == "vllm":
-            plan_from_sections(c.model, dataclasses.asdict(c.parallel), dataclasses.asdict(c.trainer),
-                               dataclasses.asdict(c.rollout), dataclasses.asdict(c.algorithm),
-                               c.other.get("cluster", {}), c.other.get("scale", {}), c.other.get("vllm", {}))
+        memory_plan(c)
     except PlanError as exc:
         raise ConfigError(f"config key {exc}") from exc
 
 
+# --------------------------------------------------------------------------------------------
+# Composition with Hydra
+# --------------------------------------------------------------------------------------------
+
+
+def split_primary(argv: Sequence[str]) -> Tuple[str, List[str]]:
+    """(primary config name, Hydra overrides): ``config=NAME`` chooses conf/NAME.yaml (last one wins)."""
+    primary, overrides = DEFAULT_PRIMARY, []
+    for arg in argv:
+        if arg.startswith(PRIMARY_KEY + "="):
+            primary = arg[len(PRIMARY_KEY) + 1:]
+        else:
+            overrides.append(arg)
+    return primary, overrides
+
+
+def hydra_command_line(argv: Sequence[str]) -> List[str]:
+    """A recipe's arguments for ``@hydra.main``: ``config=NAME`` becomes ``--config-name=NAME``;
+    everything else (overrides, ``-m``, ``--cfg job``, ...) is Hydra's as given."""
+    return [f"--config-name={arg[len(PRIMARY_KEY) + 1:]}" if arg.startswith(PRIMARY_KEY + "=") else arg
+            for arg in argv]
+
+
+@contextlib.contextmanager
+def _hydra_initialized(conf_dir: str) -> Iterator[None]:
+    """Hydra's compose API on ``conf_dir``; an enclosing Hydra app's global state is kept."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    enclosing = GlobalHydra.instance().hydra
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=os.path.abspath(conf_dir), version_base=HYDRA_VERSION_BASE):
+            yield
+    finally:
+        GlobalHydra.instance().hydra = enclosing
+
+
+def compose(argv: Sequence[str] = (), conf_dir: str = CONF_DIR) -> DictConfig:
+    """Compose conf/ and command-line arguments with Hydra (validated by :func:`validate`)."""
+    from hydra import compose as hydra_compose
+    from hydra.errors import HydraException
+
+    primary, overrides = split_primary(argv)
+    register_configs()
+    try:
+        with _hydra_initialized(conf_dir):
+            return hydra_compose(config_name=primary, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+        raise ConfigError(f"{exc}{cause}".replace("\n", " ")) from exc
+
+
 def load_config(argv: Sequence[str] = (), conf_dir: str = CONF_DIR) -> ExperimentConfig:
+    """The validated config of recipes/train.py's arguments, e.g. ``["config=quatro_1p5b", "algorithm=gspo"]``."""
     return validate(compose(argv, conf_dir))
+
+
+def hydra_job_config(cfg: DictConfig) -> ExperimentConfig:
+    """:func:`validate` for the job of a ``@hydra.main`` recipe. In a multirun (``-m``) every job
+    trains in its own directory, Hydra's ``<run.dir>/<job number>`` (conf/base/experiment.yaml)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        cfg = OmegaConf.merge(cfg, {"run": {"dir": hydra_cfg.runtime.output_dir}})
+    return validate(cfg)

@@ -42,7 +42,6 @@ from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy
 from quatro_nemo.engine.logging import MetricsLogger
-from quatro_nemo.engine.memory_plan import section_from_dict
 from quatro_nemo.engine.report import write_report
 from quatro_nemo.engine.rollout import model_inputs
 from quatro_nemo.engine.rollout_backends import build_rollout_backend
@@ -240,7 +239,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     run_dir = cfg.run.dir
     spec = get_algorithm(cfg.algorithm_name)
     trainer, rollout_cfg = cfg.trainer, cfg.rollout
-    scale = section_from_dict("scale", cfg.other.get("scale"))
+    scale = cfg.scale
     batch_size = trainer.prompts_per_step
     mini_batch_size = trainer.mini_batch_prompts or batch_size
     dp, dp_rank = layout.data_parallel, layout.dp_rank

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quatro_nemo.engine.memory_plan import section_from_dict
 from quatro_nemo.engine.rollout import MegatronRolloutBackend, RolloutBackend
 from quatro_nemo.engine.vllm_backend import VllmRolloutBackend
 
@@ -23,6 +22,6 @@ def build_rollout_backend(cfg: "ExperimentConfig", model, model_config, task) ->
     if name == "megatron":
         return MegatronRolloutBackend(model, eos_id=task.eos_id, pad_id=task.pad_id)
     if name == "vllm":
-        return VllmRolloutBackend(model, model_config, engine=section_from_dict("vllm", cfg.other.get("vllm")),
+        return VllmRolloutBackend(model, model_config, engine=cfg.vllm,
                                   eos_id=task.eos_id, pad_id=task.pad_id)
     raise ValueError(f"rollout.backend={name!r}: choose one of {list(BACKENDS)}")

@@ -1,6 +1,7 @@
 """What the training loop trains on: prompts, a tokenizer, a verifier and the base model.
 
-`build_task(cfg)` reads the `task:` section (`task.name` picks the kind):
+`build_task(cfg)` reads the typed `task:` section; the config group option `task=<name>`
+(conf/task/<name>.yaml, schema :data:`TASK_SCHEMAS`) picks the kind:
 
 - `countdown`: the embedded CPU task (quatro_nemo.data.countdown). The base model comes from the
   cached supervised warm-start (quatro_nemo.engine.warmstart), the same in every parallel layout.
@@ -21,8 +22,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from quatro_nemo.data.countdown import CountdownTaskConfig
 from quatro_nemo.data.schema import read_problems
+from quatro_nemo.data.tokenizer import TokenizerConfig
 from quatro_nemo.rewards import get_verifier
+from quatro_nemo.rewards.countdown import CountdownRewardConfig
 
 
 @dataclass
@@ -49,17 +53,48 @@ class Task:
                                    prompt_indices=list(prompt_indices))
         return rollout, [self.decode_response(ids) for ids in rollout.response_ids()]
 
-    def model_config(self, model_section):
-        """The ModelConfig of the run's ``model`` section, with this task's vocabulary size unless
-        the section sets one."""
-        from quatro_nemo.megatron.models import ModelConfig
+    def model_config(self, model_config):
+        """The run's ``model`` section (a ModelConfig) with this task's vocabulary size unless the
+        section sets one."""
+        return dataclasses.replace(model_config, vocab_size=model_config.vocab_size or self.vocab_size)
 
-        return ModelConfig(**dict(model_section, vocab_size=model_section.get("vocab_size") or self.vocab_size))
+
+def _check_task_name(section, expected: str) -> None:
+    if section.name != expected:
+        raise ValueError(f"task.name={section.name!r} but this is the {expected} task's section: "
+                         f"choose the task with task=<name> (conf/task/)")
+
+
+@dataclass
+class CountdownTaskSection(CountdownRewardConfig, CountdownTaskConfig):
+    """task=countdown (conf/task/countdown.yaml): the embedded CPU task's problems
+    (CountdownTaskConfig's keys), its reward (CountdownRewardConfig's: task.reward,
+    task.partial_credit) and its character tokenizer."""
+
+    name: str = "countdown"
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+    def __post_init__(self) -> None:
+        CountdownTaskConfig.__post_init__(self)
+        CountdownRewardConfig.__post_init__(self)
+        _check_task_name(self, "countdown")
+
+    def problems(self) -> CountdownTaskConfig:
+        """The problem generator's config (not the reward: the warm-start's cache key is the problems')."""
+        return _part(self, CountdownTaskConfig)
+
+    def reward_config(self) -> CountdownRewardConfig:
+        return _part(self, CountdownRewardConfig)
+
+
+def _part(section, cls: type):
+    """The ``cls`` dataclass made of the fields ``section`` shares with it."""
+    return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass
 class JsonlTaskConfig:
-    """task.name=jsonl: the cluster setting (MATH and friends in the project's JSONL schema)."""
+    """task=jsonl (conf/task/jsonl.yaml): the cluster setting (MATH and friends in the project's JSONL schema)."""
 
     name: str = "jsonl"
     train_path: str = ""        # JSONL written by recipes/prepare_data.py
@@ -68,44 +103,28 @@ class JsonlTaskConfig:
     verifier: str = "math"      # a name in quatro_nemo.rewards (math, code, countdown)
     verifier_options: Dict[str, Any] = field(default_factory=dict)  # e.g. code: reward, num_workers
 
-
-def task_defaults(name: str) -> Dict[str, Any]:
-    """Every key of the task section for `task.name` (what the config composer starts from)."""
-    if name == "countdown":
-        from quatro_nemo.data.countdown import CountdownTaskConfig
-        from quatro_nemo.data.tokenizer import TokenizerConfig
-
-        from quatro_nemo.rewards.countdown import CountdownRewardConfig
-
-        return dict(dataclasses.asdict(CountdownTaskConfig()), name="countdown",
-                    tokenizer=dataclasses.asdict(TokenizerConfig()), **dataclasses.asdict(CountdownRewardConfig()))
-    if name == "jsonl":
-        return dataclasses.asdict(JsonlTaskConfig())
-    raise ValueError(f"task.name={name!r}: choose one of {sorted(_TASKS)}")
+    def __post_init__(self) -> None:
+        _check_task_name(self, "jsonl")
 
 
-def _section(cfg_task: Dict[str, Any], cls: type, prefix: str) -> Any:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(cfg_task) - known)
-    if unknown:
-        raise ValueError(f"unknown key(s) {[f'{prefix}.{k}' for k in unknown]}; known: {sorted(known)}")
-    return cls(**cfg_task)
+# task=<name>: the schema of each option (Hydra ConfigStore schema/task/<name>)
+TASK_SCHEMAS = {"countdown": CountdownTaskSection, "jsonl": JsonlTaskConfig}
+
+
+def register_task_schemas() -> None:
+    """Store each task's schema in Hydra's ConfigStore; conf/task/<name>.yaml lists it first."""
+    from hydra.core.config_store import ConfigStore
+
+    for name, schema in TASK_SCHEMAS.items():
+        ConfigStore.instance().store(group="schema/task", name=name, node=schema)
 
 
 def build_countdown_task(cfg) -> Task:
     from quatro_nemo.data import countdown
-    from quatro_nemo.data.tokenizer import CharTokenizer, TokenizerConfig
-    from quatro_nemo.engine.warmstart import WarmStartConfig, load_or_train_base_model
+    from quatro_nemo.data.tokenizer import CharTokenizer
+    from quatro_nemo.engine.warmstart import load_or_train_base_model
 
-    from quatro_nemo.rewards.countdown import CountdownRewardConfig
-
-    # The reward is not part of the problems (nor of the warm-start's cache key): its own section.
-    reward_keys = {f.name for f in dataclasses.fields(CountdownRewardConfig)}
-    options = {k: v for k, v in cfg.task.items() if k not in ("name", "tokenizer") and k not in reward_keys}
-    task_cfg = _section(options, countdown.CountdownTaskConfig, "task")
-    reward_cfg = CountdownRewardConfig(**{k: v for k, v in cfg.task.items() if k in reward_keys})
-    tokenizer_cfg = _section(cfg.task.get("tokenizer") or {}, TokenizerConfig, "task.tokenizer")
-    warm_cfg = _section(cfg.warmstart, WarmStartConfig, "warmstart")
+    task_cfg, tokenizer_cfg, warm_cfg = cfg.task.problems(), cfg.task.tokenizer, cfg.warmstart
     tokenizer = CharTokenizer(tokenizer_cfg)
     train = countdown.generate_split(task_cfg, "train")
     heldout = countdown.generate_split(task_cfg, "heldout")
@@ -123,7 +142,7 @@ def build_countdown_task(cfg) -> Task:
                   "warmstart": warm_report}
     return Task(
         name="countdown", train_problems=train, heldout_problems=heldout,
-        verifier=get_verifier("countdown", **dataclasses.asdict(reward_cfg)),
+        verifier=get_verifier("countdown", **dataclasses.asdict(cfg.task.reward_config())),
         vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
         encode_prompt=lambda problem: tokenizer.encode_prompt(problem["prompt"]),
         decode_response=tokenizer.decode,
@@ -140,7 +159,7 @@ def build_jsonl_task(cfg) -> Task:
 
     from quatro_nemo.megatron.hf_conversion import load_hf_state_as_megatron
 
-    t = dataclasses.asdict(_section(cfg.task, JsonlTaskConfig, "task"))
+    t = dataclasses.asdict(cfg.task)
     for key in ("train_path", "eval_path", "hf_checkpoint"):
         if not t[key]:
             raise ValueError(f"task.{key} must be set for task.name=jsonl")
@@ -172,7 +191,5 @@ _TASKS = {"countdown": build_countdown_task, "jsonl": build_jsonl_task}
 
 
 def build_task(cfg) -> Task:
-    name = (cfg.task or {}).get("name")
-    if name not in _TASKS:
-        raise ValueError(f"task.name={name!r}: choose one of {sorted(_TASKS)}")
-    return _TASKS[name](cfg)
+    """The task of a validated run config (``cfg.task``: one of :data:`TASK_SCHEMAS`)."""
+    return _TASKS[cfg.task.name](cfg)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ class ModelConfig:
     Validated in ``__post_init__``; a bad value raises ``ValueError`` naming the field.
     """
 
-    vocab_size: int = 64
+    vocab_size: Optional[int] = 64  # None (run configs only): the task's vocabulary, Task.model_config
     hidden_size: int = 32
     num_layers: int = 2
     num_attention_heads: int = 4
@@ -64,7 +64,7 @@ class ModelConfig:
     params_dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
-    extra: Dict[str, object] = field(default_factory=dict)  # passed to TransformerConfig as is
+    extra: Dict[str, Any] = field(default_factory=dict)  # passed to TransformerConfig as is
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -78,6 +78,8 @@ class ModelConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         for key in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                     "num_query_groups", "ffn_hidden_size", "max_position_embeddings"):
+            if key == "vocab_size" and self.vocab_size is None:
+                continue
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)!r} must be a positive integer")
         if self.hidden_size % self.num_attention_heads != 0:

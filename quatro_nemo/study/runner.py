@@ -69,7 +69,7 @@ def prewarm(base_args: Sequence[str]) -> None:
     from quatro_nemo.engine.task import build_task
 
     cfg = load_config(list(base_args))
-    if (cfg.task or {}).get("name") != "countdown":
+    if cfg.task.name != "countdown":
         return   # other tasks load a pretrained checkpoint: nothing to build
     task = build_task(cfg)
     task.load_base_state(task.model_config(cfg.model))

@@ -56,12 +56,12 @@ quatro_log() {
     echo "quatro-slurm [$(date -u +%H:%M:%S)] $*"
 }
 
-# quatro_override_key ARG: the key of an argument: `key` of key=value (a leading + or ~ is Hydra
-# syntax), `--flag` of --flag=value or --flag; empty for anything else (a flag's separate value).
+# quatro_override_key ARG: the key of an argument: `key` of key=value (a leading +, ++ or ~ is
+# Hydra syntax), `--flag` of --flag=value or --flag; empty for anything else (a flag's separate value).
 quatro_override_key() {
     case $1 in
         -*) echo "${1%%=*}" ;;
-        *=*) local key=${1%%=*}; echo "${key#[+~]}" ;;
+        *=*) local key=${1%%=*}; key=${key#++}; echo "${key#[+~]}" ;;
         *) echo "" ;;
     esac
 }
@@ -70,7 +70,7 @@ quatro_override_key() {
 quatro_check_overrides() {
     local arg
     for arg in "$@"; do
-        [[ $arg =~ ^[+~]?[A-Za-z_][A-Za-z0-9_.@/-]*= ]] \
+        [[ $arg =~ ^(\+\+|[+~])?[A-Za-z_][A-Za-z0-9_.@/-]*= ]] \
             || quatro_die "override '$arg' is not key=value"
     done
 }

@@ -3,10 +3,11 @@
 import json
 import os
 
+import hydra
 import pytest
 import torch
 
-from quatro_nemo.aligner.config import register_resolvers, validate_recipe_config
+from quatro_nemo.aligner.config import register_recipe_configs, validate_recipe_config
 from quatro_nemo.aligner.data import ProblemPromptDataset, collate_with_prompt_ids
 from quatro_nemo.data.schema import read_problems
 from quatro_nemo.aligner.rewards import VerifierRewardClient, build_reward_client
@@ -26,8 +27,7 @@ def problem_files(tmp_path):
 
 
 def _compose(overrides):
-    hydra = pytest.importorskip("hydra")
-    register_resolvers()
+    register_recipe_configs()
     with hydra.initialize_config_dir(config_dir=os.path.abspath(CONF_DIR), version_base=None):
         return hydra.compose(config_name="aligner/gpt_quatro_actor", overrides=overrides)
 

@@ -1,27 +1,54 @@
-"""Config composition and start-up validation (conf/ + command-line overrides)."""
+"""Config composition (Hydra over conf/) and start-up validation, through load_config and through
+recipes/train.py's command line."""
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
+from omegaconf import OmegaConf
 
 from quatro_nemo.algos import GSPOConfig, QuatroConfig
-from quatro_nemo.engine.config import ConfigError, load_config, split_arguments
+from quatro_nemo.data.countdown import CountdownTaskConfig
+from quatro_nemo.engine.config import (ConfigError, ExperimentSections, LoggingConfig, hydra_command_line, load_config,
+                                       split_primary, validate)
+from quatro_nemo.engine.task import CountdownTaskSection, JsonlTaskConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TRAIN = REPO / "recipes" / "train.py"
 
 
 def test_cpu_default_composes_into_typed_sections():
     cfg = load_config([])
     assert cfg.algorithm_name == "quatro"
     assert isinstance(cfg.algorithm, QuatroConfig)
-    assert cfg.task["name"] == "countdown"
+    assert isinstance(cfg.task, CountdownTaskSection) and cfg.task.name == "countdown"
     assert cfg.rollout.n >= 2 and cfg.trainer.inner_loops == 1
+    # conf/config.yaml's values (hand-copied), over the dataclasses' defaults
+    assert (cfg.task.max_number, cfg.task.max_target, cfg.warmstart.steps, cfg.warmstart.all_numbers) == (9, 60, 3000, 0.8)
+    assert cfg.task.problems() == CountdownTaskConfig(max_number=9, max_target=60, num_train=1024, num_heldout=128)
+    assert cfg.model.hidden_size == 64 and cfg.model.vocab_size is None  # null in conf/model/tiny.yaml: the task's
 
 
 def test_group_choice_and_key_overrides_from_the_command_line():
     cfg = load_config(["algorithm=gspo", "algorithm.clip_low=0.001", "trainer.inner_loops=4",
                        "rollout.n=4", "task.num_train=64"])
-    assert isinstance(cfg.algorithm, GSPOConfig)
-    assert cfg.algorithm.clip_low == 0.001
-    assert cfg.trainer.inner_loops == 4 and cfg.rollout.n == 4 and cfg.task["num_train"] == 64
+    assert cfg.algorithm == GSPOConfig(clip_low=0.001)  # the dataclass's defaults for every other field
+    assert cfg.trainer.inner_loops == 4 and cfg.rollout.n == 4 and cfg.task.num_train == 64
     # a field of the algorithm's dataclass that no YAML mentions is still overridable
     cfg = load_config(["algorithm.delta=0.05", "algorithm.log_ratio=seq_mean"])
-    assert cfg.algorithm.delta == 0.05 and cfg.algorithm.log_ratio == "seq_mean"
+    assert cfg.algorithm == QuatroConfig(delta=0.05, log_ratio="seq_mean")
+    # Hydra's ++key=value overrides too
+    assert load_config(["++algorithm.delta=0.2"]).algorithm.delta == 0.2
+
+
+def test_cluster_config_has_typed_task_model_and_cluster_sections():
+    cfg = load_config(["config=quatro_7b", "cluster.nodes=2"])
+    assert isinstance(cfg.task, JsonlTaskConfig) and cfg.task.verifier == "math"
+    assert cfg.model.num_layers == 28 and cfg.model.extra["recompute_granularity"] == "full"
+    assert cfg.cluster.nodes == 2 and cfg.vllm.tensor_parallel == 2 and cfg.scale.max_prompt_tokens == 512
 
 
 def test_token_budget_is_typed_and_off_by_default():
@@ -31,26 +58,53 @@ def test_token_budget_is_typed_and_off_by_default():
     assert load_config(["parallel.max_tokens_per_micro_batch=0"]).parallel.max_tokens_per_micro_batch == 0
 
 
-def test_split_arguments_separates_primary_groups_and_keys():
-    primary, groups, keys = split_arguments(["config=quatro_7b", "algorithm=dapo", "trainer.lr=1e-6"])
-    assert (primary, groups, keys) == ("quatro_7b", {"algorithm": "dapo"}, ["trainer.lr=1e-6"])
+def test_config_argument_chooses_the_primary_config():
+    assert split_primary(["config=quatro_7b", "algorithm=dapo", "trainer.lr=1e-6"]) == (
+        "quatro_7b", ["algorithm=dapo", "trainer.lr=1e-6"])
+    assert split_primary(["trainer.lr=1e-6"]) == ("config", ["trainer.lr=1e-6"])
+    assert hydra_command_line(["-m", "config=quatro_7b", "algorithm=dapo,gspo", "--cfg", "job"]) == [
+        "-m", "--config-name=quatro_7b", "algorithm=dapo,gspo", "--cfg", "job"]
+
+
+def test_saved_run_config_validates_to_the_same_config(tmp_path):
+    """The run directory's config.yaml (what evaluation and generation reload) gives back the
+    same typed config, and so does an older run's (a 'choices' key, no cluster sections)."""
+    cfg = load_config(["algorithm=dapo", "task.num_train=64"])
+    path = tmp_path / "config.yaml"
+    OmegaConf.save(cfg.raw, path)
+    again = validate(OmegaConf.load(path))
+    assert again == cfg
+    older = OmegaConf.load(path)
+    for section in ("cluster", "scale", "vllm"):
+        del older[section]
+    older.choices = {"model": "tiny", "algorithm": "dapo", "config": "config"}
+    assert validate(older).algorithm == cfg.algorithm and validate(older).task == cfg.task
 
 
 @pytest.mark.parametrize("argv, named", [
     (["trainer.inner_loopz=2"], "trainer.inner_loopz"),
+    (["++trainer.inner_loopz=2"], "trainer.inner_loopz"),
+    (["++inner_loopz=2"], "inner_loopz"),
     (["trainer.lr=abc"], "trainer.lr"),
     (["algorithm.delta=-1"], "algorithm.delta"),
     (["algorithm.log_ratio=sideways"], "algorithm.log_ratio"),
-    (["algorithm=nope"], "algorithm=nope"),
+    (["algorithm=gspo", "algorithm.delta=0.1"], "algorithm.delta"),  # a QUATRO key on GSPO
+    (["algorithm.name=gspo"], "algorithm.name"),
+    (["algorithm=nope"], "algorithm/nope"),
     (["rollout.n=1"], "rollout.n"),
     (["rollout.top_p=1.5"], "rollout.top_p"),
     (["eval.top_p=0"], "eval.top_p"),
     (["trainer.prompts_per_step=32", "trainer.mini_batch_prompts=5"], "trainer.mini_batch_prompts"),
     (["task.num_trainx=3"], "task.num_trainx"),
+    (["task.name=jsonl"], "task.name"),
+    (["model.hidden_size=63"], "model.hidden_size"),
+    (["warmstart.steps=0"], "warmstart.steps"),
+    (["cluster.nodez=2"], "cluster.nodez"),
+    (["config=quatro_7b", "cluster.gpus_per_node=1"], "cluster.gpus_per_node"),
     (["parallel.max_tokens_per_micro_batch=1"], "parallel.max_tokens_per_micro_batch"),
     (["parallel.max_tokens_per_micro_batch=-5"], "parallel.max_tokens_per_micro_batch"),
     (["parallel.sequence_packing=true"], "parallel.sequence_packing"),
-    (["config=does_not_exist"], "does_not_exist.yaml"),
+    (["config=does_not_exist"], "does_not_exist"),
     (["no_equals_sign"], "no_equals_sign"),
 ])
 def test_invalid_values_fail_at_start_up_naming_the_key(argv, named):
@@ -59,13 +113,43 @@ def test_invalid_values_fail_at_start_up_naming_the_key(argv, named):
     assert named in str(error.value)
 
 
-def test_train_entry_point_reports_config_errors_with_exit_code_2(capsys):
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "recipes" / "train.py"
-    spec = importlib.util.spec_from_file_location("train_recipe", path)
+def _train_recipe():
+    spec = importlib.util.spec_from_file_location("train_recipe", TRAIN)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["algorithm.delta=0"]) == 2
-    assert "algorithm.delta" in capsys.readouterr().err
+    return module
+
+
+@pytest.mark.parametrize("argv, code, named", [
+    (["algorithm.delta=0"], 2, "algorithm.delta"),            # our validation: exit 2
+    (["trainer.inner_loopz=2"], 1, "trainer.inner_loopz"),    # Hydra's rejection of an override: exit 1
+    (["++trainer.inner_loopz=2"], 2, "trainer.inner_loopz"),
+    (["trainer.lr=abc"], 1, "trainer.lr"),
+    (["algorithm=nope"], 1, "algorithm/nope"),
+])
+def test_train_entry_point_rejects_bad_config_before_training(argv, code, named, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    assert _train_recipe().main([*argv, f"run.dir={run_dir}"]) == code
+    assert named in capsys.readouterr().err
+    assert not (run_dir / "config.yaml").exists()   # nothing trained
+    assert set(os.listdir(tmp_path)) <= {"run"} and os.getcwd() == str(tmp_path)   # no outputs/, no chdir
+    assert not os.path.exists(run_dir) or os.listdir(run_dir) == []                  # no .hydra/
+
+
+def test_cfg_job_prints_the_composed_config_without_running(tmp_path):
+    run_dir = tmp_path / "never_created"
+    result = subprocess.run([sys.executable, str(TRAIN), "config=quatro_7b", "algorithm=gspo", "trainer.lr=2e-6",
+                             f"run.dir={run_dir}", "--cfg", "job"], cwd=tmp_path, capture_output=True, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert result.returncode == 0, result.stderr
+    printed = OmegaConf.create(result.stdout)
+    assert printed.algorithm.name == "gspo" and printed.algorithm.clip_low == GSPOConfig().clip_low
+    assert printed.trainer.lr == 2e-6 and printed.model.hidden_size == 3584 and printed.task.name == "jsonl"
+    # every section of the schema, with the dataclasses' defaults where no YAML sets a key
+    assert set(printed) == {f.name for f in dataclasses.fields(ExperimentSections)}
+    assert printed.logging == OmegaConf.structured(LoggingConfig()) and printed.run.resume is True
+    assert not run_dir.exists() and sorted(os.listdir(tmp_path)) == []   # no outputs/, no .hydra/
+    # what it prints is what a run validates
+    assert dataclasses.asdict(validate(printed)) == dataclasses.asdict(
+        load_config(["config=quatro_7b", "algorithm=gspo", "trainer.lr=2e-6", f"run.dir={run_dir}"]))

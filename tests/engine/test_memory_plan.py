@@ -4,6 +4,7 @@ optimizer-step temporaries, the 7B plan term by term, the 1.5B / 7B configs (loa
 8 x 80 GB), and refusals that name the setting. Measured reality: test_memory_reality.py."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -251,12 +252,10 @@ def test_scale_configs_load_validate_and_fit_one_node_of_8x80gb(name):
 def test_scale_config_model_matches_the_checkpoint_config(name, hf):
     from quatro_nemo.engine.config import load_config
     from quatro_nemo.megatron.hf_conversion import model_config_from_hf
-    from quatro_nemo.megatron.models import ModelConfig
     from tests.conversion import test_hf_qwen2
 
-    model = dict(load_config([f"config={name}"]).model)
-    model.pop("extra")
-    assert ModelConfig(**model) == model_config_from_hf(getattr(test_hf_qwen2, hf))
+    model = dataclasses.replace(load_config([f"config={name}"]).model, extra={})
+    assert model == model_config_from_hf(getattr(test_hf_qwen2, hf))
 
 
 @pytest.mark.parametrize("baseline", ["grpo", "gspo"])

@@ -74,6 +74,24 @@ def test_every_algorithm_runs_through_the_same_loop(algorithm, tmp_path, tiny_ar
     assert os.path.exists(os.path.join(run_dir, "config.yaml"))
 
 
+def test_multirun_trains_each_job_in_its_own_run_directory(tmp_path, tiny_args):
+    """Hydra's -m: algorithm=quatro,gspo is two runs, job i in <run.dir>/<i>; nothing is written
+    outside run.dir (no outputs/ or multirun/ where the command runs, the repository)."""
+    from .conftest import REPO
+
+    sweep_dir = tmp_path / "sweep"
+    code, output = finish(run_train(["-m", *tiny_args(str(sweep_dir), "algorithm=quatro,gspo", "trainer.steps=1")]))
+    assert code == 0, output
+    assert sorted(os.listdir(sweep_dir)) == ["0", "1", "multirun.yaml"]
+    for job, algorithm in enumerate(["quatro", "gspo"]):
+        run_dir = sweep_dir / str(job)
+        with open(run_dir / "report.json") as f:
+            assert json.load(f)["algorithm"] == algorithm
+        assert [r["step"] for r in train_records(str(run_dir)) if r["kind"] == "train"] == [1]
+        assert not (run_dir / ".hydra").exists()
+    assert not (REPO / "outputs").exists() and not (REPO / "multirun").exists()
+
+
 def latest_complete_checkpoint(run_dir):
     """The step of the newest checkpoint with its COMPLETE marker (0: none)."""
     markers = Path(run_dir, "checkpoints").glob("step_*/COMPLETE")

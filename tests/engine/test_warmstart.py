@@ -186,9 +186,7 @@ def _measure_default_base_model(rank, path):
 
     cfg = load_config([])
     task = build_task(cfg)
-    options = {k: v for k, v in cfg.task.items() if k not in ("name", "tokenizer")}
-    measured = measure_base_model(CountdownTaskConfig(**options), TokenizerConfig(**cfg.task["tokenizer"]),
-                                  task.model_config(cfg.model), WarmStartConfig(**cfg.warmstart),
+    measured = measure_base_model(cfg.task.problems(), cfg.task.tokenizer, task.model_config(cfg.model), cfg.warmstart,
                                   num_problems=32, num_samples=32, top_p=1.0, temperature=1.0,
                                   max_new_tokens=cfg.rollout.max_new_tokens, seed=0)
     torch.save(measured, path)

@@ -176,6 +176,14 @@ def test_sweep_rejects_a_line_that_is_not_overrides(tmp_path):
     assert result.returncode == 2 and "override '--lr' is not key=value" in result.stderr
 
 
+@pytest.mark.parametrize("arg, ok", [("a.b=1", True), ("+a.b=1", True), ("++a.b=1", True), ("~a.b=1", True),
+                                     ("algorithm@model.quatro.algorithm=gspo", True), ("+++a=1", False),
+                                     ("--lr=3", False), ("a.b", False)])
+def test_override_check_takes_hydra_prefixes(arg, ok):
+    result = bash_common(f"quatro_check_overrides '{arg}'")
+    assert (result.returncode == 0) == ok, result.stderr
+
+
 def test_sweep_rejects_an_empty_sweep_file(tmp_path):
     result = sweep(tmp_path, "# only a comment\n\n")
     assert result.returncode == 2 and "has no override sets" in result.stderr
@@ -194,6 +202,7 @@ def test_sweep_sets_skip_comments_and_blank_lines(tmp_path):
 @pytest.mark.parametrize("args, key, expected", [
     (["a=1", "run.dir=/x", "b=2", "run.dir=/y"], "run.dir", "/y"),   # the last one wins
     (["+run.dir=/z"], "run.dir", "/z"),                              # Hydra's + prefix
+    (["run.dir=/x", "++run.dir=/w"], "run.dir", "/w"),               # and ++
     (["--data", "d.jsonl", "--out", "/o"], "--out", "/o"),           # argparse, separate value
     (["--out=/p", "--name", "q"], "--out", "/p"),
     (["--outdir=/p"], "--out", ""),                                  # a longer flag is not --out

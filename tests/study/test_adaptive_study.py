@@ -45,7 +45,7 @@ def test_the_committed_config_plans_every_arm_once_and_each_composes():
         algo = composed.algorithm
         arm = next(a for a, fields in arms.items() if all(getattr(algo, f) == v for f, v in fields.items())
                    and (a.startswith("delta=") == (not algo.adaptive_delta)))
-        seen.add((composed.task["reward"], composed.trainer.inner_loops,
+        seen.add((composed.task.reward, composed.trainer.inner_loops,
                   composed.trainer.lr / default.trainer.lr, arm, composed.run.seed))
         assert composed.trainer.steps == 60
         assert plan.needs_full_evaluation(spec) == (composed.trainer.lr == default.trainer.lr
