@@ -116,7 +116,8 @@ def evaluate_base(train_args: Sequence[str], num_problems: int, n_samples: int, 
     from quatro_nemo.engine.config import load_config
     from quatro_nemo.engine.task import build_task
     from quatro_nemo.megatron import parallel
-    from quatro_nemo.megatron.models import build_model, load_full_state_dict
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
 
     cfg_for = lambda p: load_config(list(train_args) + eval_overrides(num_problems, n_samples, p, temperature, seed))  # noqa: E731
     cfg = cfg_for(top_ps[0])
