@@ -17,7 +17,7 @@ from quatro_nemo.study.analysis import (Study, claims_to_json, final_metric, loa
                                         peak_over_training)
 from quatro_nemo.study.config import DEFAULT_CONDITION, StudyConfig
 from quatro_nemo.study.plan import StudyPlan
-from quatro_nemo.study.report import _band, _claim_lines, _fmt, _info_lines, _save, _tp, _value
+from quatro_nemo.study.report import _band, _claim_lines, _fmt, _info_lines, _save, _tp, _value, finish_frontier_panel
 
 
 def _frontier_points(study: Study, task: str, kmax: int, key: str, top_p: float):
@@ -62,13 +62,7 @@ def plot_frontier(study: Study, kmax: int, path: str) -> bool:
                 ax.errorbar([x.mean], [y.mean], xerr=[x.std], yerr=[y.std], marker="D^sv"[i % 4], ms=7, ls="none",
                             color=f"C{i + 1}", label=arm)
                 drawn = True
-            base = study.base.get(p)
-            if base and key in base:
-                ax.plot([base["pass@1"]], [base[key]], marker="*", ms=11, color="k", ls="none", label="base model")
-            ax.set_xlabel("pass@1")
-            ax.set_ylabel(key)
-            ax.set_title(f"{task} reward: {key} vs pass@1, {_tp(p)}", fontsize=9)
-            ax.grid(alpha=0.3)
+            finish_frontier_panel(ax, study, p, key, f"{task} reward: {key} vs pass@1, {_tp(p)}")
     if drawn:
         axes[0, 0].legend(fontsize=7)
     _save(fig, plt, path)

@@ -97,17 +97,22 @@ def plot_frontier(study: Study, kmax: int, path: str) -> bool:
             ax.errorbar([x.mean], [y.mean], xerr=[x.std], yerr=[y.std], marker=marker, ms=5, ls="none",
                         color=f"C{i % 10}", label=label)
             drawn = True
-        base = study.base.get(top_p)
-        if base and key in base:
-            ax.plot([base["pass@1"]], [base[key]], marker="*", ms=10, color="k", ls="none", label="base model")
-        ax.set_xlabel("pass@1")
-        ax.set_ylabel(key)
-        ax.set_title(f"{key} vs pass@1, {_tp(top_p)}", fontsize=9)
-        ax.grid(alpha=0.3)
+        finish_frontier_panel(ax, study, top_p, key, f"{key} vs pass@1, {_tp(top_p)}")
     if drawn:
         axes.flat[0].legend(fontsize=6)
     _save(fig, plt, path)
     return drawn
+
+
+def finish_frontier_panel(ax, study: Study, top_p: float, key: str, title: str) -> None:
+    """A (pass@1, ``key``) frontier panel's base-model star, axis labels, title and grid."""
+    base = study.base.get(top_p)
+    if base and key in base:
+        ax.plot([base["pass@1"]], [base[key]], marker="*", ms=10, color="k", ls="none", label="base model")
+    ax.set_xlabel("pass@1")
+    ax.set_ylabel(key)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
 
 
 def plot_curves(study: Study, settings: Dict[str, Any], seeds: Sequence[int], keys: Sequence[str],
