@@ -106,11 +106,10 @@ def test_config_and_samples_validation(tmp_path):
 
 def test_evaluate_recipe_regrades_with_math_verifier_and_writes_everything(tmp_path, report):
     out = tmp_path / "report"
-    argv = ["--run", f"base={BASE}",
-           "--run", f"trained={TRAINED}", "--base", "base", "--regrade", "--ucc-metric", "exact",
-           "--pairwise-metrics", "jaccard", "rouge_l", "--grading-workers", "1", "--grading-timeout", "30",
-            "--out", str(out)]
-    evaluate_main(argv)
+    argv = [f"+runs.base={BASE}", f"+runs.trained={TRAINED}", "base_run=base", "regrade=true",
+            "ucc_metric=exact", "pairwise_metrics=[jaccard,rouge_l]", "grading_workers=1", "grading_timeout=30",
+            f"out={out}"]
+    assert evaluate_main(argv) == 0
     data = json.loads((out / "report.json").read_text())                  # strict JSON (no NaN)
     # the math verifier's grades reproduce the hand labels, so the numbers match the fixture run
     for run in ("base", "trained"):
