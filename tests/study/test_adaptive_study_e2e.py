@@ -5,10 +5,9 @@ import gzip
 import json
 
 import pytest
-import yaml
 
 from tests.engine.conftest import TINY
-from tests.study.test_study_e2e import study
+from tests.study.test_study_e2e import run_tiny_study, study
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +22,7 @@ def test_tiny_adaptive_study_end_to_end(tmp_path, warm_cache):
         "evaluation": {"num_problems": 4, "n_samples": 8, "top_p": [0.7], "sweep_n_samples": 4},
         "workers": 2, "time_budget_minutes": 5,
     }
-    path = tmp_path / "tiny_adaptive.yaml"
-    path.write_text(yaml.safe_dump(config))
-    out = tmp_path / "study"
-    code, output = study(["--config", str(path), "--out", str(out)])
-    assert code == 0, output
-
-    report = json.loads((out / "report.json").read_text())
+    path, out, report = run_tiny_study(tmp_path, config)
     runs = report["runs"]
     assert len(runs) == 6 and all(r["finished"] for r in runs.values()), runs   # 2 conditions x 3 arms
     for name, run in runs.items():

@@ -27,6 +27,17 @@ def study(args, timeout=600):
     return done.returncode, done.stdout + done.stderr
 
 
+def run_tiny_study(tmp_path, config):
+    """Write ``config`` as a study config and run the whole study into ``tmp_path/study``; returns
+    (the config file, the study directory, its report.json)."""
+    path = tmp_path / f"{config['name']}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "study"
+    code, output = study(["--config", str(path), "--out", str(out)])
+    assert code == 0, output
+    return path, out, json.loads((out / "report.json").read_text())
+
+
 def test_tiny_study_end_to_end(tmp_path, warm_cache):
     config = {
         "name": "tiny", "description": "tiny end-to-end test study",
@@ -39,13 +50,7 @@ def test_tiny_study_end_to_end(tmp_path, warm_cache):
         "evaluation": {"num_problems": 4, "n_samples": 8, "top_p": [0.7, 1.0], "sweep_n_samples": 4},
         "workers": 2, "time_budget_minutes": 5,
     }
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(config))
-    out = tmp_path / "study"
-    code, output = study(["--config", str(path), "--out", str(out)])
-    assert code == 0, output
-
-    report = json.loads((out / "report.json").read_text())
+    path, out, report = run_tiny_study(tmp_path, config)
     runs = report["runs"]
     # quatro K1 (also the K sweep, the ablation's seq_sum arm and, when the default delta is 0.1, the
     # delta=0.1 point), grpo, the ablation's log_ratio=none arm, delta 0.05 (and 0.1 if not the default)
