@@ -1,33 +1,48 @@
+#!/usr/bin/env python
 """Evaluate sampled responses: Pass@k, UCC@k, diversity, entropy and flip rate (paper Sec. 4, App. C).
 
 From samples files (one or several runs side by side)::
 
-    python recipes/evaluate.py --run grpo=out/grpo.jsonl --run quatro=out/quatro.jsonl \\
-        --run base=out/base.jsonl --base base --out eval_report/
+    python recipes/evaluate.py +runs.grpo=out/grpo.jsonl +runs.quatro=out/quatro.jsonl \\
+        +runs.base=out/base.jsonl base_run=base out=eval_report/
+    python recipes/evaluate.py '++runs={grpo: out/grpo.jsonl, base: out/base.jsonl}' out=eval_report/
 
 From a checkpoint (samples generated first, then evaluated; the generator is the engine's)::
 
-    python recipes/evaluate.py --checkpoint runs/a/checkpoints/step_100 --data data/math500.jsonl \\
-        --num-samples 256 --name quatro --out eval_report/
+    python recipes/evaluate.py checkpoint=runs/a/checkpoints/step_100 data='[data/math500.jsonl]' \\
+        num_samples=256 name=quatro out=eval_report/
 
-Samples format: quatro_nemo/eval/samples.py. Outputs in --out: report.md, metrics.csv,
-report.json, pass_at_k.png, ucc_at_k.png, similarity.png, flip_rate.png (with --base).
+A Hydra app (hydra-core 1.3) over conf/evaluate.yaml; its keys are :class:`EvaluateRecipeConfig`'s
+(``--cfg job`` prints them, ``-m`` sweeps, e.g. ``-m ucc_metric=exact,rouge_l``: job i reports
+in <out>/<i>). Exit codes: 0 done; 1 Hydra rejected an override (unknown key, ill-typed value:
+its message names the key) or evaluation failed; 2 a value failed validation (the message names
+the key). Samples format: quatro_nemo/eval/samples.py. Outputs in ``out``: report.md, metrics.csv,
+report.json, pass_at_k.png, ucc_at_k.png, similarity.png, flip_rate.png (with ``base``), and
+samples_<name>.jsonl (with ``checkpoint``).
 """
-from __future__ import annotations
 
-import argparse
+import dataclasses
 import importlib
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from quatro_nemo.eval.report import DEFAULT_PAIRWISE_METRICS, EvalConfig, evaluate_runs, write_report  # noqa: E402
+import hydra  # noqa: E402
+from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+
 from quatro_nemo.data.schema import read_problems  # noqa: E402
+from quatro_nemo.engine.config import CONF_DIR, HYDRA_VERSION_BASE, ConfigError, run_hydra_app  # noqa: E402
+from quatro_nemo.eval.report import DEFAULT_PAIRWISE_METRICS, EvalConfig, evaluate_runs, write_report  # noqa: E402
 from quatro_nemo.eval.samples import load_samples, write_samples  # noqa: E402
-from quatro_nemo.eval.similarity import SIMILARITY_METRICS  # noqa: E402
+
+CONFIG_ERROR_EXIT_CODE = 2
+PRIMARY = "evaluate"   # conf/evaluate.yaml
 
 # The sampler that turns a checkpoint + problems into sample records; provided by the engine.
 # Contract: generate_samples(checkpoint: str, problems: list[dict], num_samples: int,
@@ -36,94 +51,139 @@ from quatro_nemo.eval.similarity import SIMILARITY_METRICS  # noqa: E402
 DEFAULT_GENERATOR = "quatro_nemo.engine.generate:generate_samples"
 
 
+@dataclass
+class EvaluateRecipeConfig:
+    """recipes/evaluate.py's keys (ConfigStore ``schema/evaluate``). The metric keys are
+    quatro_nemo.eval.report.EvalConfig's fields, which checks their values."""
+
+    # inputs
+    runs: Dict[str, str] = field(default_factory=dict)  # run name -> samples JSONL file
+    base_run: Optional[str] = None           # run name of the base model (flip-rate buckets)
+    checkpoint: Optional[str] = None         # generate samples from this checkpoint first
+    data: List[str] = field(default_factory=list)  # problem JSONL file(s) for checkpoint
+    name: str = "checkpoint"                 # run name of the checkpoint's samples
+    generator: str = DEFAULT_GENERATOR       # module:function generating samples
+    num_samples: int = 256                   # responses per problem (the paper's n)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 1024
+    # metrics
+    verifier: str = "math"                   # grader name for quatro_nemo.rewards.get_verifier
+    grading_workers: int = 2
+    grading_timeout: float = 5.0             # seconds per answer check
+    regrade: bool = False                    # ignore precomputed rewards in the samples
+    ks: Optional[List[int]] = None           # Pass@k grid (default 1, 2, 4, .., n)
+    ucc_ks: Optional[List[int]] = None       # UCC@k grid (default: ks)
+    ucc_metric: str = "rouge_l"              # near-duplicate criterion; 'precomputed': records' cluster_sizes
+    ucc_threshold: Optional[float] = None
+    pairwise_metrics: List[str] = field(default_factory=lambda: list(DEFAULT_PAIRWISE_METRICS))
+    max_pairwise_responses: int = 32
+    workers: int = 1                         # threads for similarity matrices
+    seed: int = 0
+    # outputs
+    out: str = MISSING                       # output directory (required)
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("num_samples", "max_new_tokens", "grading_workers", "grading_timeout"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"config key {key} must be > 0, got {getattr(self, key)!r}")
+        for run_name, path in self.runs.items():
+            if not os.path.isfile(path):
+                raise ConfigError(f"config key runs.{run_name}: samples file {path!r} not found")
+        if self.checkpoint is not None and not self.data:
+            raise ConfigError("config key data: checkpoint needs problem files, e.g. data='[data/math500.jsonl]'")
+        if self.checkpoint is not None and self.name in self.runs:
+            raise ConfigError(f"config key name: {self.name!r} is also a key of runs; choose another name")
+        if not self.runs and self.checkpoint is None:
+            raise ConfigError("config key runs: nothing to evaluate; give +runs.NAME=samples.jsonl "
+                              "and/or checkpoint=DIR")
+        try:
+            self.metrics_config()
+        except ValueError as exc:  # EvalConfig names its field, which is the same key here
+            raise ConfigError(f"config key {str(exc).replace('EvalConfig.', '')}") from exc
+
+    def metrics_config(self) -> EvalConfig:
+        metric_keys = {f.name for f in dataclasses.fields(EvalConfig)} & {f.name for f in dataclasses.fields(self)}
+        return EvalConfig(pairwise_metrics=tuple(self.pairwise_metrics),
+                          **{key: getattr(self, key) for key in metric_keys - {"pairwise_metrics"}})
+
+
+def register_evaluate_config() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="schema", name="evaluate", node=EvaluateRecipeConfig)
+
+
+def validate(cfg: DictConfig) -> EvaluateRecipeConfig:
+    """The composed config as an EvaluateRecipeConfig; ConfigError naming the key on bad input."""
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        plain.pop("hydra", None)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvaluateRecipeConfig), plain))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"config key {getattr(exc, 'full_key', '?')}: {str(getattr(exc, 'msg', exc)).splitlines()[0]}") from exc
+
+
 def load_generator(spec: str):
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise SystemExit(f"--checkpoint needs the sample generator {spec!r}, which cannot be imported "
-                         f"({err}); pass --generator module:function or evaluate a samples file with --run") from err
+        raise ConfigError(f"config key generator: checkpoint needs the sample generator {spec!r}, which cannot "
+                          f"be imported ({err}); set generator=module:function or evaluate samples files with runs=") from err
     if not hasattr(module, attr):
-        raise SystemExit(f"generator module {module_name!r} has no function {attr!r}")
+        raise ConfigError(f"config key generator: module {module_name!r} has no function {attr!r}")
     return getattr(module, attr)
 
 
-def parse_run(spec: str) -> tuple:
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--run expects NAME=path.jsonl, got {spec!r}")
-    return name, path
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_argument_group("inputs")
-    src.add_argument("--run", action="append", type=parse_run, default=[], metavar="NAME=PATH",
-                     help="a samples JSONL file of one run; repeat to compare runs side by side")
-    src.add_argument("--base", default=None, help="run name of the base model (flip-rate buckets)")
-    src.add_argument("--checkpoint", default=None, help="generate samples from this checkpoint first")
-    src.add_argument("--data", action="append", default=[], help="problem JSONL file(s) for --checkpoint")
-    src.add_argument("--name", default="checkpoint", help="run name of the --checkpoint samples")
-    src.add_argument("--generator", default=DEFAULT_GENERATOR, help="module:function generating samples")
-    src.add_argument("--num-samples", type=int, default=256)
-    src.add_argument("--temperature", type=float, default=1.0)
-    src.add_argument("--top-p", type=float, default=1.0)
-    src.add_argument("--max-new-tokens", type=int, default=1024)
-    met = p.add_argument_group("metrics")
-    met.add_argument("--verifier", default="math", help="grader name for quatro_nemo.rewards.get_verifier")
-    met.add_argument("--grading-workers", type=int, default=2)
-    met.add_argument("--grading-timeout", type=float, default=5.0, help="seconds per answer check")
-    met.add_argument("--regrade", action="store_true", help="ignore precomputed rewards in the samples")
-    met.add_argument("--ks", type=int, nargs="+", default=None, help="Pass@k grid (default 1,2,4,..,n)")
-    met.add_argument("--ucc-ks", type=int, nargs="+", default=None, help="UCC@k grid (default: --ks)")
-    met.add_argument("--ucc-metric", default="rouge_l", choices=sorted(SIMILARITY_METRICS) + ["precomputed"],
-                     help="near-duplicate criterion; 'precomputed' uses each record's cluster_sizes")
-    met.add_argument("--ucc-threshold", type=float, default=None)
-    met.add_argument("--pairwise-metrics", nargs="*", default=list(DEFAULT_PAIRWISE_METRICS),
-                     choices=sorted(SIMILARITY_METRICS))
-    met.add_argument("--max-pairwise-responses", type=int, default=32)
-    met.add_argument("--workers", type=int, default=1, help="threads for similarity matrices")
-    met.add_argument("--seed", type=int, default=0)
-    out = p.add_argument_group("outputs")
-    out.add_argument("--out", required=True, help="output directory")
-    out.add_argument("--no-plots", action="store_true")
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, str]:
-    args = build_parser().parse_args(argv)
-    runs: Dict[str, List[Dict[str, Any]]] = {}
-    for name, path in args.run:
-        if name in runs:
-            raise SystemExit(f"--run name {name!r} given twice")
-        runs[name] = load_samples(path)
-    if args.checkpoint is not None:
-        if not args.data:
-            raise SystemExit("--checkpoint needs --data problems.jsonl")
-        generate_samples = load_generator(args.generator)
-        problems = [p for path in args.data for p in read_problems(path)]
-        samples = generate_samples(checkpoint=args.checkpoint, problems=problems, num_samples=args.num_samples,
-                                   temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
-        os.makedirs(args.out, exist_ok=True)
-        write_samples(os.path.join(args.out, f"samples_{args.name}.jsonl"), samples)
-        runs[args.name] = samples
-    if not runs:
-        raise SystemExit("nothing to evaluate: give --run NAME=samples.jsonl and/or --checkpoint")
-    config = EvalConfig(ks=args.ks, ucc_ks=args.ucc_ks, ucc_metric=args.ucc_metric, ucc_threshold=args.ucc_threshold,
-                        pairwise_metrics=tuple(args.pairwise_metrics), max_pairwise_responses=args.max_pairwise_responses,
-                        base_run=args.base, regrade=args.regrade, workers=args.workers, seed=args.seed)
-    verifier_kwargs = ({"num_workers": args.grading_workers, "timeout_s": args.grading_timeout}
-                       if args.verifier == "math" else {})
+def evaluate(config: EvaluateRecipeConfig) -> Dict[str, str]:
+    """Generate the checkpoint's samples (if any), evaluate every run, write the report; its files."""
+    runs: Dict[str, List[Dict[str, Any]]] = {name: load_samples(path) for name, path in config.runs.items()}
+    if config.checkpoint is not None:
+        generate_samples = load_generator(config.generator)
+        problems = [p for path in config.data for p in read_problems(path)]
+        samples = generate_samples(checkpoint=config.checkpoint, problems=problems, num_samples=config.num_samples,
+                                   temperature=config.temperature, top_p=config.top_p,
+                                   max_new_tokens=config.max_new_tokens, seed=config.seed)
+        os.makedirs(config.out, exist_ok=True)
+        write_samples(os.path.join(config.out, f"samples_{config.name}.jsonl"), samples)
+        runs[config.name] = samples
+    verifier_kwargs = ({"num_workers": config.grading_workers, "timeout_s": config.grading_timeout}
+                       if config.verifier == "math" else {})
     start = time.perf_counter()
-    report = evaluate_runs(runs, config, verifier=args.verifier, verifier_kwargs=verifier_kwargs)
-    paths = write_report(report, args.out, plots=not args.no_plots)
+    report = evaluate_runs(runs, config.metrics_config(), verifier=config.verifier, verifier_kwargs=verifier_kwargs)
+    paths = write_report(report, config.out, plots=config.plots)
     print(f"evaluated {len(runs)} run(s) in {time.perf_counter() - start:.1f} s")
     for kind, path in paths.items():
         print(f"  {kind}: {path}")
     return paths
 
 
+register_evaluate_config()
+
+
+@hydra.main(config_path=CONF_DIR, config_name=PRIMARY, version_base=HYDRA_VERSION_BASE)
+def evaluate_job(cfg: DictConfig) -> None:
+    """One evaluation (each job of a multirun is one, reporting in Hydra's <out>/<job number>)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        cfg = OmegaConf.merge(cfg, {"out": hydra_cfg.runtime.output_dir})
+    try:
+        config = validate(cfg)
+        evaluate(config)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR_EXIT_CODE) from exc
+
+
+def main(argv) -> int:
+    """Run the Hydra app on ``argv`` (key=value overrides, Hydra flags); the exit code."""
+    return run_hydra_app(evaluate_job, argv)
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

@@ -29,7 +29,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from quatro_nemo.engine.config import (CONF_DIR, DEFAULT_PRIMARY, HYDRA_VERSION_BASE, ConfigError,  # noqa: E402
-                                       hydra_command_line, hydra_job_config, register_configs)
+                                       hydra_job_config, register_configs, run_hydra_app)
 from quatro_nemo.engine.loop import train  # noqa: E402
 from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted  # noqa: E402
 
@@ -55,12 +55,7 @@ def train_job(cfg: DictConfig) -> None:
 
 def main(argv) -> int:
     """Run the Hydra app on ``argv`` (``config=NAME`` -> ``--config-name=NAME``); the exit code."""
-    sys.argv = [sys.argv[0], *hydra_command_line(argv)]
-    try:
-        train_job()
-    except SystemExit as exit_:
-        return exit_.code if isinstance(exit_.code, int) else 1
-    return 0
+    return run_hydra_app(train_job, argv)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 # n = 256 evaluation of a checkpoint with recipes/evaluate.py on one H100 node (one process; the
 # sampler uses the node's GPUs).
 #
-#   sbatch slurm/eval.sh --checkpoint runs/quatro-1p5b-123/checkpoints/step_100 \
-#       --data data/math500.jsonl --name quatro          # from the repository root
+#   sbatch slurm/eval.sh checkpoint=runs/quatro-1p5b-123/checkpoints/step_100 \
+#       data=[data/math500.jsonl] name=quatro            # from the repository root
 #
-# Arguments are recipes/evaluate.py's (see its --help); --num-samples defaults to 256 (the paper's
-# n) and --out to runs/<job name>-<job id>; any you pass win.
+# Arguments are recipes/evaluate.py's Hydra overrides (keys: conf/evaluate.yaml, `--cfg job`);
+# num_samples defaults to 256 (the paper's n) and out to runs/<job name>-<job id>; any you pass win.
 #SBATCH --job-name=quatro-eval
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -24,4 +24,4 @@ QUATRO_ROOT=${QUATRO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
 # shellcheck source=slurm/lib/common.sh
 source "$QUATRO_ROOT/slurm/lib/common.sh" \
     || { echo "quatro-slurm: submit from the quatro-nemo root or export QUATRO_ROOT" >&2; exit 2; }
-quatro_run_recipe evaluate --out --num-samples=256 -- "$@"
+quatro_run_recipe evaluate out num_samples=256 -- "$@"

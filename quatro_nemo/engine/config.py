@@ -28,8 +28,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -323,6 +324,17 @@ def hydra_command_line(argv: Sequence[str]) -> List[str]:
     everything else (overrides, ``-m``, ``--cfg job``, ...) is Hydra's as given."""
     return [f"--config-name={arg[len(PRIMARY_KEY) + 1:]}" if arg.startswith(PRIMARY_KEY + "=") else arg
             for arg in argv]
+
+
+def run_hydra_app(hydra_job: Callable[[], None], argv: Sequence[str]) -> int:
+    """Run a ``@hydra.main`` function on a recipe's arguments (:func:`hydra_command_line`); its exit
+    code (Hydra exits 1 after printing an override it rejected, which names the key)."""
+    sys.argv = [sys.argv[0], *hydra_command_line(argv)]
+    try:
+        hydra_job()
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+    return 0
 
 
 @contextlib.contextmanager

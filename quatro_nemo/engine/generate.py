@@ -1,4 +1,4 @@
-"""Samples from a training checkpoint, for recipes/evaluate.py --checkpoint (one process, CPU or GPU).
+"""Samples from a training checkpoint, for recipes/evaluate.py checkpoint=... (one process, CPU or GPU).
 
 `checkpoint` is a run directory (its newest complete checkpoint) or one of its
 `checkpoints/step_XXXXXX` folders. The run's own config.yaml rebuilds the task's tokenizer and the

@@ -207,8 +207,8 @@ quatro_record() {  # quatro_record KEY VALUE ...: one line in <run dir>/slurm_la
 }
 
 # quatro_run_recipe RECIPE RUN_DIR_KEY [DEFAULT ...] -- [USER_ARG ...]: see the top of this file.
-# RUN_DIR_KEY is the argument naming the output directory: run.dir (train, key=value
-# overrides) or --out (evaluate, argparse flags).
+# RUN_DIR_KEY is the key naming the output directory (both recipes take key=value overrides):
+# run.dir (train) or out (evaluate).
 quatro_run_recipe() {
     local recipe=$1 run_dir_key=$2 arg
     shift 2

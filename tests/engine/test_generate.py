@@ -1,4 +1,4 @@
-"""recipes/evaluate.py --checkpoint: samples generated from a training run's checkpoint."""
+"""recipes/evaluate.py checkpoint=...: samples generated from a training run's checkpoint."""
 import json
 import os
 import subprocess
@@ -29,10 +29,10 @@ def test_evaluate_samples_a_run_checkpoint_like_the_runs_own_evaluation(tmp_path
     out = tmp_path / "eval"
     seed = cfg.run.seed + EVAL_SEED_TAG
     done = subprocess.run(
-        [sys.executable, os.path.join(REPO, "recipes", "evaluate.py"), "--checkpoint", str(run_dir),
-         "--data", str(problems), "--verifier", "countdown", "--ucc-metric", "exact",
-         "--num-samples", str(cfg.eval.n_samples), "--temperature", "1.0", "--top-p", "1.0",
-         "--max-new-tokens", str(cfg.rollout.max_new_tokens), "--seed", str(seed), "--out", str(out)],
+        [sys.executable, os.path.join(REPO, "recipes", "evaluate.py"), f"checkpoint={run_dir}",
+         f"data=[{problems}]", "verifier=countdown", "ucc_metric=exact",
+         f"num_samples={cfg.eval.n_samples}", "temperature=1.0", "top_p=1.0",
+         f"max_new_tokens={cfg.rollout.max_new_tokens}", f"seed={seed}", f"out={out}"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "report.json").read_text())

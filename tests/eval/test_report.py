@@ -106,11 +106,10 @@ def test_config_and_samples_validation(tmp_path):
 
 def test_evaluate_recipe_regrades_with_math_verifier_and_writes_everything(tmp_path, report):
     out = tmp_path / "report"
-    argv = ["--run", f"base={BASE}",
-           "--run", f"trained={TRAINED}", "--base", "base", "--regrade", "--ucc-metric", "exact",
-           "--pairwise-metrics", "jaccard", "rouge_l", "--grading-workers", "1", "--grading-timeout", "30",
-            "--out", str(out)]
-    evaluate_main(argv)
+    argv = [f"+runs.base={BASE}", f"+runs.trained={TRAINED}", "base_run=base", "regrade=true",
+            "ucc_metric=exact", "pairwise_metrics=[jaccard,rouge_l]", "grading_workers=1", "grading_timeout=30",
+            f"out={out}"]
+    assert evaluate_main(argv) == 0
     data = json.loads((out / "report.json").read_text())                  # strict JSON (no NaN)
     # the math verifier's grades reproduce the hand labels, so the numbers match the fixture run
     for run in ("base", "trained"):
@@ -125,6 +124,36 @@ def test_evaluate_recipe_regrades_with_math_verifier_and_writes_everything(tmp_p
     assert "## Pass@k: average" in md and "## Flip rate vs base run `base`" in md
     for name in ("pass_at_k.png", "ucc_at_k.png", "similarity.png", "flip_rate.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+MISSING_FILE = os.path.join(FIXTURES, "no_such_samples.jsonl")
+
+
+@pytest.mark.parametrize("argv, exit_code, named", [
+    # Hydra rejects the override itself (exit 1), naming the key
+    (["num_samplez=3", f"+runs.a={BASE}", "out=o"], 1, "num_samplez"),
+    (["num_samples=many", f"+runs.a={BASE}", "out=o"], 1, "num_samples"),
+    (["plots=maybe", f"+runs.a={BASE}", "out=o"], 1, "plots"),
+    # our validation rejects the value (exit 2), naming the key
+    ([f"+runs.a={BASE}"], 2, "config key out"),
+    ([f"+runs.a={MISSING_FILE}", "out=o"], 2, "config key runs.a"),
+    (["out=o"], 2, "config key runs"),
+    ([f"+runs.a={BASE}", "ucc_metric=bogus", "out=o"], 2, "config key ucc_metric"),
+    ([f"+runs.a={BASE}", "ucc_threshold=1.5", "out=o"], 2, "config key ucc_threshold"),
+    ([f"+runs.a={BASE}", "pairwise_metrics=[jaccard,nope]", "out=o"], 2, "config key pairwise_metrics"),
+    ([f"+runs.a={BASE}", "ks=[0,2]", "out=o"], 2, "config key ks"),
+    ([f"+runs.a={BASE}", "grading_timeout=0", "out=o"], 2, "config key grading_timeout"),
+    (["checkpoint=ckpt", "out=o"], 2, "config key data"),
+    (["checkpoint=ckpt", f"data=[{BASE}]", "num_samples=0", "out=o"], 2, "config key num_samples"),
+    ([f"+runs.checkpoint={BASE}", "checkpoint=ckpt", f"data=[{BASE}]", "out=o"], 2, "config key name"),
+    (["checkpoint=ckpt", f"data=[{BASE}]", "generator=no_such_module:generate", "out=o"], 2,
+     "config key generator"),
+])
+def test_evaluate_recipe_names_the_bad_key_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, exit_code, named):
+    monkeypatch.chdir(tmp_path)       # out=o is relative: nothing may appear here
+    assert evaluate_main(argv) == exit_code
+    assert named in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
 
 
 def test_precomputed_cluster_sizes_are_used_and_checked():

@@ -7,17 +7,21 @@ to this machine and overrides switching to the tiny CPU config (see conftest.py)
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
 
 import pytest
 
+from quatro_nemo.eval.tables import AVERAGE
+
 from .slurm_cluster import ROOT, expected_master_port, read_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
 TEMPLATE = "slurm/quatro_1p5b.sh"
+EVAL_FIXTURES = ROOT / "tests" / "fixtures" / "eval"
 SWEEP_SETS = [  # one array task each; the seed makes every task's metrics different
     ["trainer.lr=0.05", "{seed}=1"],
     ["trainer.lr=0.02", "{seed}=2"],
@@ -54,6 +58,14 @@ def jobs(local_slurm, recipe, tmp_path_factory):
     submit("rendezvous", 2, recipe.tiny, default_log=True)
     submit("failing", 1, recipe.failing)
     submit("restart_limit", 1, recipe.long, extra_env={"QUATRO_MAX_RESTARTS": "0"})
+    # slurm/eval.sh on the hand-labelled samples fixture, with the real recipes/evaluate.py (also
+    # under the stand-in recipe) and its default output directory.
+    submitted["eval"] = local_slurm.sbatch(
+        "--job-name=test-eval", *local_resources(log_dir, 1), "slurm/eval.sh",
+        f"+runs.base={EVAL_FIXTURES / 'samples_base.jsonl'}", f"+runs.trained={EVAL_FIXTURES / 'samples_trained.jsonl'}",
+        "base_run=base", "ucc_metric=exact", "pairwise_metrics=[jaccard]", "grading_workers=1", "plots=false",
+        env={"QUATRO_RUNS_DIR": str(runs)})
+    submitted["eval_runs_dir"] = runs
 
     # What `#SBATCH --signal=B:USR1@600` does before the time limit: USR1 to the batch shell,
     # here as soon as each of these two jobs has finished its first step.
@@ -178,3 +190,15 @@ def test_checkpoint_exit_past_the_restart_limit_is_not_requeued(local_slurm, job
     assert final["JobState"] == "FAILED" and final["Restarts"] == "0", final
     end = read_jsonl(run_dir / "slurm_launches.jsonl")[-1]
     assert end["exit_code"] == "75" and end["action"].startswith("gave up"), end
+
+
+def test_eval_template_runs_the_evaluate_recipe_into_its_default_run_dir(local_slurm, jobs):
+    job_id = jobs["eval"]
+    final = local_slurm.wait_done([job_id], timeout=300)[job_id]
+    assert final["JobState"] == "COMPLETED", job_log(local_slurm, job_id)[-3000:]
+    out = jobs["eval_runs_dir"] / f"test-eval-{job_id}"      # out defaults to <runs>/<job name>-<job id>
+    report = json.loads((out / "report.json").read_text())
+    # hand-labelled fixture: base pass@1 is (0 + 2/4)/2 on bench_a and 1 on bench_b: mean 0.625
+    assert report["runs"]["base"][AVERAGE]["pass@k"]["1"] == pytest.approx(0.625)
+    (start,) = [r for r in read_jsonl(out / "slurm_launches.jsonl") if r["event"] == "start"]
+    assert start["recipe"] == "evaluate" and "num_samples=256" in start["overrides"].split()
