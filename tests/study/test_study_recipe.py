@@ -52,13 +52,14 @@ def test_emit_sweep_applies_study_overrides_and_names_the_study(tmp_path):
     assert study_main(["study=quick", "study.seeds=[1]", f"emit_sweep={sweep}"]) == 0
     text = sweep.read_text()
     runs = [line for line in text.splitlines() if line and not line.startswith("#")]
-    # conf/study/quick.yaml with one main-comparison seed: 7 algorithms x 1 seed, the sweeps'
-    # K = 2 and lr x4 points of quatro and gspo x 2 seeds (8), the ablation's log_ratio=none arm
-    # x 2 seeds (its seq_sum arm is quatro's K = 2 point), deltas 0.05 and 0.2 x 2 seeds (4)
-    assert len(runs) == 7 + 8 + 2 + 4
+    # conf/study/quick.yaml with one main-comparison seed: 7 algorithms x 1 seed; the sweeps of
+    # quatro and gspo at seeds 1 and 2: their default point (K = 1, lr x1) at seed 2, no longer a
+    # main-comparison run (2), K = 2 and lr x4 (8); the ablation's log_ratio=none arm x 2 seeds
+    # (its seq_sum arm is quatro's K = 2 point); deltas 0.05 and 0.2 x 2 seeds (4)
+    assert len(runs) == 7 + 2 + 8 + 2 + 4
     grpo = [line.split() for line in runs if "algorithm=grpo" in line.split()]
     assert len(grpo) == 1 and "run.seed=1" in grpo[0] and "trainer.steps=8" in grpo[0]
-    assert text.startswith("# quatro-nemo study 'quick': 21 runs")   # the name is the chosen option's
+    assert text.startswith("# quatro-nemo study 'quick': 23 runs")   # the name is the chosen option's
 
 
 def test_estimate_costs_the_chosen_study_from_a_timed_one(tmp_path, capsys):
@@ -83,3 +84,20 @@ def test_interrupted_study_exits_75_and_failed_runs_exit_1(tmp_path, monkeypatch
 
     monkeypatch.setattr(driver, "run_study", failed)
     assert study_main(["study=quick", f"out={tmp_path}"]) == 1
+
+
+def test_a_study_config_of_ones_own_is_chosen_with_config_dir(tmp_path):
+    """--config-dir DIR study=NAME reads DIR/study/NAME.yaml; the study is named NAME."""
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "mine.yaml").write_text(
+        "algorithms: [quatro, grpo]\nseeds: [1]\n"
+        "sweeps: {algorithms: [quatro], inner_loops: [1], lr_multipliers: [1], seeds: [1]}\n"
+        "ablation: {delta: 0.1, inner_loops: 1, log_ratios: [seq_sum, none], seeds: [1]}\n"
+        "deltas: {values: [0.05, 0.2], seeds: [1]}\n")
+    sweep = tmp_path / "sweep.txt"
+    assert study_main([f"--config-dir={tmp_path}", "study=mine", f"emit_sweep={sweep}"]) == 0
+    text = sweep.read_text()
+    assert text.startswith("# quatro-nemo study 'mine': ")
+    algorithms = [word for line in text.splitlines() if not line.startswith("#")
+                  for word in line.split() if word.startswith("algorithm=")]
+    assert set(algorithms) == {"algorithm=quatro", "algorithm=grpo"} and algorithms.count("algorithm=grpo") == 1
