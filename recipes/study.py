@@ -1,32 +1,96 @@
 #!/usr/bin/env python
 """QUATRO vs GRPO, GPG, GSPO, GMPO, DAPO and CISPO side by side on the CPU default task (issue 9).
 
-    python recipes/study.py --quick                 # CI scale (<= 10 min on 2 cores): runs/study_quick/
+    python recipes/study.py study=quick             # CI scale (<= 10 min on 2 cores): runs/study_quick/
     python recipes/study.py                         # the full study (<= 150 min): runs/study_full/
-    python recipes/study.py --config full seeds=[1,2,3,4,5,6] workers=2   # study-config overrides
-    python recipes/study.py --quick --report-only   # rebuild the report from the kept metrics
-    python recipes/study.py --estimate runs/study_quick   # the full study's wall time, from quick's timings
-    python recipes/study.py --emit-sweep slurm/sweeps/study_full.txt train_config=quatro_1p5b train_overrides=[]
-    python recipes/study.py --collect runs/sweeps/study_full-<timestamp> train_config=quatro_1p5b train_overrides=[]
+    python recipes/study.py study=adaptive          # the adaptive-delta study (issue 19): runs/study_adaptive/
+    python recipes/study.py 'study.seeds=[1,2,3,4,5,6]' study.workers=2   # study-config overrides
+    python recipes/study.py study=quick report_only=true   # rebuild the report from the kept metrics
+    python recipes/study.py estimate=runs/study_quick      # the full study's wall time, from quick's timings
+    python recipes/study.py emit_sweep=slurm/sweeps/study_full.txt study.train_config=quatro_1p5b 'study.train_overrides=[]'
+    python recipes/study.py collect=runs/sweeps/study_full-<timestamp> study.train_config=quatro_1p5b 'study.train_overrides=[]'
+    python recipes/study.py --config-dir my_conf study=mine   # a study config of your own: my_conf/study/mine.yaml
 
 Each run is recipes/train.py in <out>/runs/<name>, then the study's evaluation of its final
 policy; a trained and evaluated run is skipped, so an interrupted study continues where it
 stopped. Every run's metrics are kept in <out>/metrics/ (gzip JSON lines), from which the report
 (<out>/report.md, report.json, PNGs) states claim by claim whether the paper's claim reproduced,
-with paired statistics. Study configs live in conf/study/ (see docs/study.md).
-"""
-from __future__ import annotations
+with paired statistics. See docs/study.md.
 
-import argparse
+A Hydra app (hydra-core 1.3) over conf/study_app.yaml: ``study=NAME`` chooses the study config
+conf/study/NAME.yaml (typed by quatro_nemo.study.config.StudyConfig; its ``name`` defaults to
+NAME), ``study.KEY=VALUE`` overrides one of its keys; the recipe's own keys are
+:class:`StudyRecipeConfig`'s (``--cfg job`` prints the composed config). At most one mode key
+(report_only, estimate, emit_sweep, collect) is given. Exit codes: 0 done; 1 Hydra rejected an
+override (unknown key, ill-typed value: its message names the key) or a run failed; 2 a value
+failed validation (the message names the key); 75 the study was interrupted (the same command
+continues it).
+"""
+
 import json
 import os
 import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from quatro_nemo.engine.config import ConfigError  # noqa: E402
-from quatro_nemo.study.config import StudyConfigError, load_study_config  # noqa: E402
+import hydra  # noqa: E402
+from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: E402
+
+from quatro_nemo.engine.config import CONF_DIR, HYDRA_VERSION_BASE, ConfigError, run_hydra_app  # noqa: E402
+from quatro_nemo.study.config import StudyConfig, StudyConfigError, study_config_from_dict  # noqa: E402
+
+CONFIG_ERROR_EXIT_CODE = 2
+FAILED_RUNS_EXIT_CODE = 1
+INTERRUPTED_EXIT_CODE = 75
+PRIMARY = "study_app"   # conf/study_app.yaml
+STUDY_GROUP = "study"   # conf/study/<name>.yaml
+MODE_KEYS = ("report_only", "estimate", "emit_sweep", "collect")
+
+
+@dataclass
+class StudyRecipeConfig:
+    """recipes/study.py's keys (ConfigStore ``schema/study_app``)."""
+
+    # the chosen study config (group conf/study/); name "???" = the chosen option's name
+    study: StudyConfig = field(default_factory=lambda: StudyConfig(name=MISSING))
+    out: Optional[str] = None          # study directory (default runs/study_<study.name>)
+    # modes (at most one; none: train and evaluate every run, then report)
+    report_only: bool = False          # no training: the report from <out>/metrics/
+    estimate: Optional[str] = None     # a finished study's directory: this study's wall time from its timings
+    emit_sweep: Optional[str] = None   # write the run list for slurm/sweep.sh to this file
+    collect: Optional[str] = None      # report on this slurm/sweep.sh sweep directory
+
+    def __post_init__(self) -> None:
+        modes = [key for key in MODE_KEYS if getattr(self, key)]
+        if len(modes) > 1:
+            raise ConfigError(f"config keys {' and '.join(modes)} are exclusive modes: give at most one")
+        for key in ("estimate", "collect"):
+            if getattr(self, key) is not None and not os.path.isdir(getattr(self, key)):
+                raise ConfigError(f"config key {key}: directory {getattr(self, key)!r} not found")
+
+
+def register_study_app_config() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="schema", name=PRIMARY, node=StudyRecipeConfig)
+
+
+def validate(cfg: DictConfig, study_option: str) -> StudyRecipeConfig:
+    """The composed config (typed by Hydra against the schema) as a StudyRecipeConfig whose study
+    went through study_config_from_dict; ConfigError naming the key on bad input."""
+    values = OmegaConf.to_container(cfg, resolve=True)
+    values.pop("hydra", None)
+    study = values.pop(STUDY_GROUP)
+    if OmegaConf.is_missing(cfg[STUDY_GROUP], "name"):
+        study["name"] = study_option
+    try:
+        study_config = study_config_from_dict(study)
+    except StudyConfigError as exc:
+        raise ConfigError(f"study '{study_option}' (keys study.*): {exc}") from exc
+    return StudyRecipeConfig(study=study_config, **values)
 
 
 def previous_info(out: str) -> dict:
@@ -41,56 +105,63 @@ def previous_info(out: str) -> dict:
         return dict(json.load(f).get("info") or {}, **invocation_totals(out))
 
 
-def main(argv) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="conf/study/<name>.yaml or a YAML path (default: full)")
-    parser.add_argument("--quick", action="store_true", help="the CI-scale study (conf/study/quick.yaml)")
-    parser.add_argument("--out", default=None, help="study directory (default: runs/study_<name>)")
-    parser.add_argument("--report-only", action="store_true", help="no training: report from <out>/metrics/")
-    parser.add_argument("--estimate", metavar="TIMED_STUDY_DIR",
-                        help="estimate this study's wall time from the per-run timings of a finished study")
-    parser.add_argument("--emit-sweep", metavar="FILE", help="write the run list for slurm/sweep.sh and exit")
-    parser.add_argument("--collect", metavar="SWEEP_DIR", help="report on a slurm/sweep.sh sweep directory")
-    parser.add_argument("overrides", nargs="*", help="study-config overrides, key=value")
-    args = parser.parse_args(argv)
-    if args.quick and args.config not in (None, "quick"):
-        parser.error("--quick and --config are exclusive")
-    name = "quick" if args.quick else (args.config or "full")
-    try:
-        cfg = load_study_config(name, args.overrides)
-    except StudyConfigError as exc:
-        print(f"study config error: {exc}", file=sys.stderr)
-        return 2
-    out = args.out or os.path.join("runs", f"study_{cfg.name}")
-
+def run(recipe: StudyRecipeConfig) -> int:
+    """The chosen mode; its exit code (ConfigError and StudyInterrupted pass on)."""
     from quatro_nemo.study.driver import build_plan, collect_sweep, emit_sweep, run_study, write_report
-    from quatro_nemo.study.runner import StudyInterrupted
-    try:
-        if args.estimate:
-            from quatro_nemo.study.timing import estimate_minutes
-            estimate = estimate_minutes(cfg, args.estimate)
-            print(json.dumps(estimate, indent=1))
-            return 0
-        if args.emit_sweep:
-            count = emit_sweep(cfg, args.emit_sweep)
-            print(f"{count} override sets written to {args.emit_sweep}; submit with: bash slurm/sweep.sh {args.emit_sweep}")
-            return 0
-        if args.collect:
-            result = collect_sweep(cfg, args.collect, args.out or os.path.join(args.collect, "study_report"))
-        elif args.report_only:
-            result = write_report(cfg, build_plan(cfg), out, out, previous_info(out))
-        else:
-            result = run_study(cfg, out)
-    except StudyInterrupted as stop:
-        print(f"study stopped: {stop}; the same command continues it", file=sys.stderr)
-        return 75
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+
+    cfg = recipe.study
+    out = recipe.out or os.path.join("runs", f"study_{cfg.name}")
+    if recipe.estimate:
+        from quatro_nemo.study.timing import estimate_minutes
+        print(json.dumps(estimate_minutes(cfg, recipe.estimate), indent=1))
+        return 0
+    if recipe.emit_sweep:
+        count = emit_sweep(cfg, recipe.emit_sweep)
+        print(f"{count} override sets written to {recipe.emit_sweep}; submit with: bash slurm/sweep.sh {recipe.emit_sweep}")
+        return 0
+    result: Dict[str, Any]
+    if recipe.collect:
+        result = collect_sweep(cfg, recipe.collect, recipe.out or os.path.join(recipe.collect, "study_report"))
+    elif recipe.report_only:
+        result = write_report(cfg, build_plan(cfg), out, out, previous_info(out))
+    else:
+        result = run_study(cfg, out)
     for claim in result["claims"]:
         print(f"{claim.verdict:>15}  {claim.id}: {claim.summary}")
     print(f"report: {result['paths']['markdown']}")
-    return 1 if result.get("info", {}).get("failed_runs") else 0
+    return FAILED_RUNS_EXIT_CODE if result.get("info", {}).get("failed_runs") else 0
+
+
+register_study_app_config()
+
+
+@hydra.main(config_path=CONF_DIR, config_name=PRIMARY, version_base=HYDRA_VERSION_BASE)
+def study_job(cfg: DictConfig) -> None:
+    """One study (each job of a multirun is one; with ``out`` given, job i's is <out>/<i>)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from quatro_nemo.study.runner import StudyInterrupted
+
+    hydra_cfg = HydraConfig.get()
+    try:
+        recipe = validate(cfg, hydra_cfg.runtime.choices[STUDY_GROUP])
+        if hydra_cfg.mode == RunMode.MULTIRUN and recipe.out:
+            recipe.out = os.path.join(recipe.out, str(hydra_cfg.job.num))
+        code = run(recipe)
+    except StudyInterrupted as stop:
+        print(f"study stopped: {stop}; the same command continues it", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from stop
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR_EXIT_CODE) from exc
+    if code:
+        raise SystemExit(code)
+
+
+def main(argv) -> int:
+    """Run the Hydra app on ``argv`` (key=value overrides, Hydra flags); the exit code."""
+    return run_hydra_app(study_job, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The adaptive-delta study's report.md and figures (:mod:`quatro_nemo.study.adaptive`).
 
-A function of the kept metrics and the study config only, so ``--report-only`` rewrites it.
+A function of the kept metrics and the study config only, so ``report_only=true`` rewrites it.
 """
 from __future__ import annotations
 

@@ -17,6 +17,10 @@ A study of ``kind: adaptive`` (issue 19) trains only its ``adaptive`` section in
 adaptive-delta strategies against a fixed-delta sweep on the binary and graded tasks, at the
 default and at stress settings (:mod:`quatro_nemo.study.adaptive`).
 
+recipes/study.py (a Hydra app) chooses a study as ``study=<name>`` and overrides its keys as
+``study.KEY=VALUE``; :class:`StudyConfig` types that node, :func:`study_config_from_dict`
+validates it (the one place that does).
+
 ``train_overrides`` apply to every run (on top of conf/config.yaml, or of ``train_config``);
 they are where a study shrinks the CPU default (e.g. fewer steps in quick mode).
 """
@@ -213,7 +217,7 @@ def _build(cls: type, values: Dict[str, Any], prefix: str) -> Any:
     kwargs = {}
     nested = _nested()
     for key, value in values.items():
-        if key in nested and cls is StudyConfig:
+        if key in nested and cls is StudyConfig and not (key == "adaptive" and value is None):  # None: no section
             if not isinstance(value, dict):
                 raise StudyConfigError(f"{key} must be a mapping, got {value!r}")
             value = _build(nested[key], value, f"{key}.")
@@ -227,18 +231,13 @@ def study_config_from_dict(values: Dict[str, Any]) -> StudyConfig:
     return cfg
 
 
-def load_study_config(name_or_path: str, overrides: List[str] = ()) -> StudyConfig:
-    """conf/study/<name>.yaml (or a path to a YAML file) plus dot-list overrides (sweeps.seeds=[1,2])."""
+def load_study_config(name_or_path: str) -> StudyConfig:
+    """conf/study/<name>.yaml (or a path to a YAML file) as it is, without overrides (those are
+    recipes/study.py's ``study.KEY=VALUE``, composed by Hydra)."""
     path = name_or_path if name_or_path.endswith((".yaml", ".yml")) else os.path.join(STUDY_CONF_DIR, name_or_path + ".yaml")
     if not os.path.isfile(path):
         raise StudyConfigError(f"study config not found: {path}")
-    raw = OmegaConf.load(path)
-    if overrides:
-        try:
-            raw = OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides)))
-        except Exception as exc:
-            raise StudyConfigError(f"study override: {exc}") from exc
-    values = OmegaConf.to_container(raw, resolve=True)
+    values = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     values.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     return study_config_from_dict(values)
 

@@ -3,7 +3,7 @@ a few processes at a time) -> kept metrics -> claims -> report.
 
 The report is built from ``<out>/metrics/`` alone (one gzip JSON-lines file per run: its training
 records and its held-out evaluation; ``base.jsonl.gz`` for the base model), so
-``recipes/study.py --report-only`` redoes the analysis without the run directories.
+``recipes/study.py report_only=true`` redoes the analysis without the run directories.
 """
 from __future__ import annotations
 

@@ -147,7 +147,7 @@ def build_paper_plan(cfg: StudyConfig) -> StudyPlan:
 
 
 def sweep_line(cfg: StudyConfig, spec: RunSpec) -> str:
-    """One run's override set as a sweep-file line (``--collect`` maps lines back to runs by it)."""
+    """One run's override set as a sweep-file line (``collect=`` maps lines back to runs by it)."""
     return " ".join([*cfg.train_overrides, *spec.overrides])
 
 
@@ -156,7 +156,7 @@ def sweep_lines(cfg: StudyConfig, plan: StudyPlan) -> List[str]:
     comment naming the run. ``config=`` is left to the template; ``run.dir`` to sweep.sh."""
     lines = [f"# quatro-nemo study '{cfg.name}': {len(plan.runs)} runs (relative to config={cfg.train_config}, "
              f"default lr {plan.defaults.lr!r}).",
-             "# Submit: bash slurm/sweep.sh THIS_FILE; report: python recipes/study.py --collect SWEEP_DIR ..."]
+             "# Submit: bash slurm/sweep.sh THIS_FILE; report: python recipes/study.py collect=SWEEP_DIR ..."]
     for spec in plan.runs.values():
         lines += [f"# {spec.name}", sweep_line(cfg, spec)]
     return lines

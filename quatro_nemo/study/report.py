@@ -1,6 +1,6 @@
 """The study report: report.md (claim table first, then the evidence), report.json and PNGs.
 
-Everything is a function of the kept metrics and the study config, so ``--report-only`` on the
+Everything is a function of the kept metrics and the study config, so ``report_only=true`` on the
 same metrics writes the same report.md and report.json byte for byte.
 """
 from __future__ import annotations

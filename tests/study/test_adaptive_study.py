@@ -1,7 +1,7 @@
 """The adaptive-delta study (issue 19, quatro_nemo/study/adaptive.py) without training: its run
 list against one written out here, every run's overrides composing into the intended config,
 config errors naming the key, and the claims and report on synthetic kept metrics with planted
-effects (written as the study writes them, so --report-only reads them)."""
+effects (written as the study writes them, so report_only=true reads them)."""
 import os
 
 import numpy as np
@@ -134,7 +134,7 @@ def test_claims_and_report_on_planted_effects(tmp_path):
     assert "![frontier](frontier.png)" in report and "BREAKS" in report
     assert os.path.isfile(tmp_path / "frontier.png") and os.path.isfile(tmp_path / "radius.png")
     again = write_report(cfg, plan, str(tmp_path), str(tmp_path / "again"), {})
-    assert open(again["paths"]["markdown"]).read() == report      # --report-only gives the same report
+    assert open(again["paths"]["markdown"]).read() == report      # report_only=true gives the same report
 
 
 def test_no_broken_fixed_delta_leaves_stability_untested(tmp_path):

@@ -1,6 +1,6 @@
 """One tiny real adaptive-delta study end to end (kind: adaptive): recipes/study.py trains and
 evaluates every (condition, arm) run on the graded task, keeps the metrics, writes the report, and
---report-only rebuilds it byte for byte from the kept metrics."""
+report_only=true rebuilds it byte for byte from the kept metrics."""
 import gzip
 import json
 
@@ -22,7 +22,7 @@ def test_tiny_adaptive_study_end_to_end(tmp_path, warm_cache):
         "evaluation": {"num_problems": 4, "n_samples": 8, "top_p": [0.7], "sweep_n_samples": 4},
         "workers": 2, "time_budget_minutes": 5,
     }
-    path, out, report = run_tiny_study(tmp_path, config)
+    chosen, out, report = run_tiny_study(tmp_path, config)
     runs = report["runs"]
     assert len(runs) == 6 and all(r["finished"] for r in runs.values()), runs   # 2 conditions x 3 arms
     for name, run in runs.items():
@@ -39,6 +39,6 @@ def test_tiny_adaptive_study_end_to_end(tmp_path, warm_cache):
     assert "## Task `graded`" in markdown and "### K2" in markdown
     assert (out / "frontier.png").stat().st_size > 1000
 
-    code, output = study(["--config", str(path), "--out", str(out), "--report-only"])
+    code, output = study([*chosen, f"out={out}", "report_only=true"])
     assert code == 0, output
     assert (out / "report.md").read_text() == markdown

@@ -1,6 +1,6 @@
-"""The study's --quick mode, exactly as a user runs it (issue 9: CI runs it). Its verdicts are
+"""The quick study (study=quick), exactly as a user runs it (issue 9: CI runs it). Its verdicts are
 whatever the runs measure; what must hold is that every run finishes and is evaluated, every claim
-is stated, the testbed is described, and --report-only rebuilds the same report from the kept
+is stated, the testbed is described, and report_only=true rebuilds the same report from the kept
 metrics alone (issue 16)."""
 import json
 import shutil
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def test_quick_study_trains_every_run_and_states_every_claim(tmp_path):
     out = tmp_path / "quick"
     started = time.perf_counter()
-    code, output = study(["--quick", "--out", str(out)], timeout=1800)
+    code, output = study(["study=quick", f"out={out}"], timeout=1800)
     assert code == 0, output
     print(f"quick study: {(time.perf_counter() - started) / 60:.1f} min")
     report = json.loads((out / "report.json").read_text())
@@ -40,9 +40,9 @@ def test_quick_study_trains_every_run_and_states_every_claim(tmp_path):
     print(f"full study estimate: {json.dumps(estimate)}")
     assert estimate["runs"] > 200 and estimate["estimated_minutes"] > 0
 
-    # --report-only from the kept metrics alone reproduces the report byte for byte
+    # report_only=true from the kept metrics alone reproduces the report byte for byte
     first = {name: (out / name).read_bytes() for name in ("report.md", "report.json")}
     shutil.rmtree(out / "runs")
-    code, output = study(["--quick", "--out", str(out), "--report-only"], timeout=300)
+    code, output = study(["study=quick", f"out={out}", "report_only=true"], timeout=300)
     assert code == 0, output
     assert {name: (out / name).read_bytes() for name in first} == first

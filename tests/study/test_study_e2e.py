@@ -1,7 +1,8 @@
 """One tiny real study end to end: recipes/study.py trains and evaluates every run of a
 2-algorithm, 2-step study on the tiny CPU task, evaluates the base model once, keeps every run's
 metrics, writes the report, skips finished runs when run again, rebuilds the same report from the
-kept metrics alone (--report-only), and emits the SLURM run list."""
+kept metrics alone (report_only=true), and emits the SLURM run list. The study config is a file of
+the test's own, chosen as Hydra's ``--config-dir DIR study=NAME`` (DIR/study/NAME.yaml)."""
 import gzip
 import json
 import os
@@ -28,14 +29,17 @@ def study(args, timeout=600):
 
 
 def run_tiny_study(tmp_path, config):
-    """Write ``config`` as a study config and run the whole study into ``tmp_path/study``; returns
-    (the config file, the study directory, its report.json)."""
-    path = tmp_path / f"{config['name']}.yaml"
-    path.write_text(yaml.safe_dump(config))
+    """Write ``config`` as the study config ``tmp_path/conf/study/<name>.yaml`` and run the whole
+    study into ``tmp_path/study``; returns (the arguments choosing that study, the study directory,
+    its report.json)."""
+    conf = tmp_path / "conf"
+    (conf / "study").mkdir(parents=True)
+    (conf / "study" / f"{config['name']}.yaml").write_text(yaml.safe_dump(config))
+    chosen = [f"--config-dir={conf}", f"study={config['name']}"]
     out = tmp_path / "study"
-    code, output = study(["--config", str(path), "--out", str(out)])
+    code, output = study([*chosen, f"out={out}"])
     assert code == 0, output
-    return path, out, json.loads((out / "report.json").read_text())
+    return chosen, out, json.loads((out / "report.json").read_text())
 
 
 def test_tiny_study_end_to_end(tmp_path, warm_cache):
@@ -50,7 +54,7 @@ def test_tiny_study_end_to_end(tmp_path, warm_cache):
         "evaluation": {"num_problems": 4, "n_samples": 8, "top_p": [0.7, 1.0], "sweep_n_samples": 4},
         "workers": 2, "time_budget_minutes": 5,
     }
-    path, out, report = run_tiny_study(tmp_path, config)
+    chosen, out, report = run_tiny_study(tmp_path, config)
     runs = report["runs"]
     # quatro K1 (also the K sweep, the ablation's seq_sum arm and, when the default delta is 0.1, the
     # delta=0.1 point), grpo, the ablation's log_ratio=none arm, delta 0.05 (and 0.1 if not the default)
@@ -83,7 +87,7 @@ def test_tiny_study_end_to_end(tmp_path, warm_cache):
         assert (out / figure).stat().st_size > 1000, figure
 
     # resumable: a second invocation trains nothing and rewrites the same claims
-    code, output = study(["--config", str(path), "--out", str(out)], timeout=120)
+    code, output = study([*chosen, f"out={out}"], timeout=120)
     assert code == 0, output
     assert f"{expected} already done" in output
     assert {c["id"]: c["verdict"] for c in json.loads((out / "report.json").read_text())["claims"]} == \
@@ -92,13 +96,13 @@ def test_tiny_study_end_to_end(tmp_path, warm_cache):
     # the report again from the kept metrics alone (no run directories): the same report
     first = {f: (out / f).read_bytes() for f in ("report.md", "report.json")}
     shutil.rmtree(out / "runs")
-    code, output = study(["--config", str(path), "--out", str(out), "--report-only"], timeout=120)
+    code, output = study([*chosen, f"out={out}", "report_only=true"], timeout=120)
     assert code == 0, output
     assert {f: (out / f).read_bytes() for f in first} == first
 
     # the SLURM run list of the same study
     sweep = tmp_path / "sweep.txt"
-    code, output = study(["--config", str(path), "--emit-sweep", str(sweep)], timeout=120)
+    code, output = study([*chosen, f"emit_sweep={sweep}"], timeout=120)
     assert code == 0, output
     lines = [line for line in sweep.read_text().splitlines() if line and not line.startswith("#")]
     assert len(lines) == expected and all("algorithm=" in line and "run.dir" not in line for line in lines)

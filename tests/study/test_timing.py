@@ -29,6 +29,13 @@ def made_up_timed_study(study_dir):
                                                           "run_seconds": {"a": [10.0, 10.0], "b": [20.0, 10.0]}}))
 
 
+# The quick study (conf/study/quick.yaml) costed from made_up_timed_study: 28 runs of 8 steps, 1 s
+# each + 4.5 s overhead; evaluations of 32 x 32 x 2 (main and delta runs: 18) or 32 x 16 samples
+# at 2 + 0.05 s per sample, on 2 workers; then the base model's alone.
+QUICK_MINUTES_FROM_MADE_UP_TIMINGS = ((28 * (4.5 + 8 * 1.0 + 2.0) + 18 * 0.05 * 2048 + 10 * 0.05 * 512) / 2
+                                      + 2.0 + 0.05 * 2048) / 60
+
+
 def test_costs_are_fitted_on_cpu_time(tmp_path):
     made_up_timed_study(tmp_path)
     costs = measured_costs(str(tmp_path))
@@ -38,9 +45,5 @@ def test_costs_are_fitted_on_cpu_time(tmp_path):
     assert costs["train_overhead_s"] == pytest.approx(4.5)
 
     estimate = estimate_minutes(load_study_config("quick"), str(tmp_path))
-    # quick: 28 runs of 8 steps, 1 s each + 4.5 s overhead; evaluations of 32 x 32 x 2 (main and
-    # delta runs: 18) or 32 x 16 samples at 2 + 0.05 s per sample; the base model's alone
-    runs = 28 * (4.5 + 8 * 1.0 + 2.0) + 18 * 0.05 * 2048 + 10 * 0.05 * 512
-    base = 2.0 + 0.05 * 2048
     assert estimate["runs"] == 28
-    assert estimate["estimated_minutes"] == pytest.approx((runs / 2 + base) / 60, abs=0.05)
+    assert estimate["estimated_minutes"] == pytest.approx(QUICK_MINUTES_FROM_MADE_UP_TIMINGS, abs=0.05)
