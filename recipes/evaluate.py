@@ -37,11 +37,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from quatro_nemo.data.schema import read_problems  # noqa: E402
-from quatro_nemo.engine.config import CONF_DIR, HYDRA_VERSION_BASE, ConfigError, run_hydra_app  # noqa: E402
+from quatro_nemo.engine.config import (CONF_DIR, HYDRA_VERSION_BASE, ConfigError, config_errors_exit,  # noqa: E402
+                                       omegaconf_error_message, run_hydra_app)
 from quatro_nemo.eval.report import DEFAULT_PAIRWISE_METRICS, EvalConfig, evaluate_runs, write_report  # noqa: E402
 from quatro_nemo.eval.samples import load_samples, write_samples  # noqa: E402
 
-CONFIG_ERROR_EXIT_CODE = 2
 PRIMARY = "evaluate"   # conf/evaluate.yaml
 
 # The sampler that turns a checkpoint + problems into sample records; provided by the engine.
@@ -122,7 +122,7 @@ def validate(cfg: DictConfig) -> EvaluateRecipeConfig:
         plain.pop("hydra", None)
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvaluateRecipeConfig), plain))
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"config key {getattr(exc, 'full_key', '?')}: {str(getattr(exc, 'msg', exc)).splitlines()[0]}") from exc
+        raise ConfigError(omegaconf_error_message(exc)) from exc
 
 
 def load_generator(spec: str):
@@ -172,12 +172,8 @@ def evaluate_job(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
         cfg = OmegaConf.merge(cfg, {"out": hydra_cfg.runtime.output_dir})
-    try:
-        config = validate(cfg)
-        evaluate(config)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        raise SystemExit(CONFIG_ERROR_EXIT_CODE) from exc
+    with config_errors_exit():
+        evaluate(validate(cfg))
 
 
 def main(argv) -> int:

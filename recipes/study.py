@@ -39,10 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hydra  # noqa: E402
 from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: E402
 
-from quatro_nemo.engine.config import CONF_DIR, HYDRA_VERSION_BASE, ConfigError, run_hydra_app  # noqa: E402
+from quatro_nemo.engine.config import CONF_DIR, HYDRA_VERSION_BASE, ConfigError, config_errors_exit, run_hydra_app  # noqa: E402
 from quatro_nemo.study.config import StudyConfig, StudyConfigError, study_config_from_dict  # noqa: E402
 
-CONFIG_ERROR_EXIT_CODE = 2
 FAILED_RUNS_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 75
 PRIMARY = "study_app"   # conf/study_app.yaml
@@ -145,16 +144,14 @@ def study_job(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     try:
-        recipe = validate(cfg, hydra_cfg.runtime.choices[STUDY_GROUP])
-        if hydra_cfg.mode == RunMode.MULTIRUN and recipe.out:
-            recipe.out = os.path.join(recipe.out, str(hydra_cfg.job.num))
-        code = run(recipe)
+        with config_errors_exit():
+            recipe = validate(cfg, hydra_cfg.runtime.choices[STUDY_GROUP])
+            if hydra_cfg.mode == RunMode.MULTIRUN and recipe.out:
+                recipe.out = os.path.join(recipe.out, str(hydra_cfg.job.num))
+            code = run(recipe)
     except StudyInterrupted as stop:
         print(f"study stopped: {stop}; the same command continues it", file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT_CODE) from stop
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        raise SystemExit(CONFIG_ERROR_EXIT_CODE) from exc
     if code:
         raise SystemExit(code)
 

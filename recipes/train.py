@@ -28,12 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from quatro_nemo.engine.config import (CONF_DIR, DEFAULT_PRIMARY, HYDRA_VERSION_BASE, ConfigError,  # noqa: E402
-                                       hydra_job_config, register_configs, run_hydra_app)
+from quatro_nemo.engine.config import (CONF_DIR, DEFAULT_PRIMARY, HYDRA_VERSION_BASE,  # noqa: E402
+                                       config_errors_exit, hydra_job_config, register_configs, run_hydra_app)
 from quatro_nemo.engine.loop import train  # noqa: E402
 from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted  # noqa: E402
-
-CONFIG_ERROR_EXIT_CODE = 2
 
 register_configs()
 
@@ -41,11 +39,8 @@ register_configs()
 @hydra.main(config_path=CONF_DIR, config_name=DEFAULT_PRIMARY, version_base=HYDRA_VERSION_BASE)
 def train_job(cfg: DictConfig) -> None:
     """One training run (each job of a multirun is one). Exits are SystemExit, which Hydra passes on."""
-    try:
+    with config_errors_exit():
         config = hydra_job_config(cfg)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        raise SystemExit(CONFIG_ERROR_EXIT_CODE) from exc
     try:
         train(config)
     except Preempted as exc:

@@ -221,7 +221,8 @@ def register_configs() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _omegaconf_message(exc: OmegaConfBaseException) -> str:
+def omegaconf_error_message(exc: OmegaConfBaseException) -> str:
+    """An OmegaConf error as one line naming its key (``config key KEY: what is wrong``)."""
     return f"config key {getattr(exc, 'full_key', '?')}: {str(getattr(exc, 'msg', exc)).splitlines()[0]}"
 
 
@@ -255,7 +256,7 @@ def _typed_tree(composed: dict) -> DictConfig:
     try:
         return OmegaConf.merge(schema, composed)
     except OmegaConfBaseException as exc:
-        raise ConfigError(_omegaconf_message(exc)) from exc
+        raise ConfigError(omegaconf_error_message(exc)) from exc
 
 
 def _section_object(tree: DictConfig, name: str) -> Any:
@@ -266,7 +267,7 @@ def _section_object(tree: DictConfig, name: str) -> Any:
             return build_algorithm(OmegaConf.to_container(node), source="algorithm")[1]
         return OmegaConf.to_object(node)
     except OmegaConfBaseException as exc:
-        raise ConfigError(_omegaconf_message(exc)) from exc
+        raise ConfigError(omegaconf_error_message(exc)) from exc
     except (ValueError, TypeError) as exc:  # messages name "<Class>.<key>" or "<section>.<key>"
         message = str(exc).replace(f"{OmegaConf.get_type(node).__name__}.", f"{name}.")
         raise ConfigError(message if isinstance(exc, ConfigError) else f"config key {message}") from exc
@@ -324,6 +325,20 @@ def hydra_command_line(argv: Sequence[str]) -> List[str]:
     everything else (overrides, ``-m``, ``--cfg job``, ...) is Hydra's as given."""
     return [f"--config-name={arg[len(PRIMARY_KEY) + 1:]}" if arg.startswith(PRIMARY_KEY + "=") else arg
             for arg in argv]
+
+
+CONFIG_ERROR_EXIT_CODE = 2   # a recipe's exit code for a value that failed validation
+
+
+@contextlib.contextmanager
+def config_errors_exit() -> Iterator[None]:
+    """Inside a Hydra job: a :class:`ConfigError` (its message names the key) is printed and the
+    job exits with :data:`CONFIG_ERROR_EXIT_CODE` (Hydra passes SystemExit on)."""
+    try:
+        yield
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(CONFIG_ERROR_EXIT_CODE) from exc
 
 
 def run_hydra_app(hydra_job: Callable[[], None], argv: Sequence[str]) -> int:
