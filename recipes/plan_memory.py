@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from quatro_nemo.engine.config import ConfigError, load_config, memory_plan  # noqa: E402
+from quatro_nemo.engine.config import CONFIG_ERROR_EXIT_CODE, ConfigError, load_config, memory_plan  # noqa: E402
 from quatro_nemo.engine.memory_plan import MemoryPlan, PlanError  # noqa: E402
 
 
@@ -46,12 +46,12 @@ def main(argv) -> int:
         measured_gb = float(measured[-1][len(MEASURED_FLAG):]) if measured else None
     except ValueError:
         print(f"plan error: {measured[-1]}: expected {MEASURED_FLAG}<number>", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT_CODE
     try:
         plan = plan_for_arguments(argv)
     except (ConfigError, PlanError) as exc:
         print(f"plan error: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT_CODE
     if as_json:
         figures = plan.as_dict()
         if measured_gb is not None:

@@ -18,16 +18,17 @@ from typing import Optional, Sequence
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from quatro_nemo.engine.config import CONFIG_ERROR_EXIT_CODE, ConfigError, load_config  # noqa: E402
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--evaluate" not in argv:
         print("usage: python -m quatro_nemo.study.job KEY=VALUE... --evaluate [evaluation options]", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT_CODE
     split = argv.index("--evaluate")
     train_argv, eval_argv = argv[:split], argv[split + 1:]
 
-    from quatro_nemo.engine.config import ConfigError, load_config
     from quatro_nemo.engine.loop import train
     from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
     from quatro_nemo.study.evaluation import STUDY_EVAL, evaluate_run, parse_args, write_records
@@ -38,7 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = load_config(train_argv)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT_CODE
     started = time.perf_counter()
     if not is_trained(cfg.run.dir):
         try:
