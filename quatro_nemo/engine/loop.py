@@ -382,6 +382,8 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     if rank0:
         summary = write_report(run_dir, cfg, task.properties)
         print(f"[quatro] done: report at {os.path.join(run_dir, 'report.md')}", flush=True)
+        if "heldout_table" in summary:   # the before/after comparison, where the user is looking
+            print(summary["heldout_table"], flush=True)
     return summary
 
 

@@ -70,6 +70,9 @@ def test_every_algorithm_runs_through_the_same_loop(algorithm, tmp_path, tiny_ar
     with open(os.path.join(run_dir, "report.json")) as f:
         report = json.load(f)
     assert report["algorithm"] == algorithm and report["base"]["step"] == 0
+    # the held-out before/after table is printed at the end, as in report.md
+    assert "| metric | base model (step 0) | trained (step 2) | change |" in output.splitlines()
+    assert re.search(r"^\| reward/mean \| [0-9.]+ \| [0-9.]+ \| -?[0-9.]+ \|$", output, re.MULTILINE), output[-2000:]
     assert os.path.exists(os.path.join(run_dir, "report.md"))
     assert os.path.exists(os.path.join(run_dir, "config.yaml"))
 
