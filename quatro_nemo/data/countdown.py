@@ -249,13 +249,14 @@ def enumerate_solutions(numbers: Sequence[int], target: int, limit: Optional[int
             for j, (b, _) in enumerate(pool):
                 if i == j:
                     continue
+                rest = tuple(e for k, e in enumerate(pool) if k != i and k != j)
+                rest_all_given = not any(produced for _, produced in rest)
                 for op in OPERATORS:
                     c = apply_operator(a, op, b)
                     if c is None:
                         continue
-                    rest = tuple(e for k, e in enumerate(pool) if k not in (i, j))
                     steps.append((a, op, b, c))
-                    if c == target and not any(produced for _, produced in rest):
+                    if c == target and rest_all_given:
                         found.add(format_steps(steps))
                         if limit is not None and len(found) >= limit:
                             return True
