@@ -56,11 +56,11 @@ quatro_log() {
     echo "quatro-slurm [$(date -u +%H:%M:%S)] $*"
 }
 
-# quatro_override_key ARG: the key of an argument: `key` of key=value (a leading +, ++ or ~ is
-# Hydra syntax), `--flag` of --flag=value or --flag; empty for anything else (a flag's separate value).
+# quatro_override_key ARG: the key of a key=value override (a leading +, ++ or ~ is Hydra
+# syntax); empty for anything else (Hydra's own flags, such as --config-dir DIR or -m, and their values).
 quatro_override_key() {
     case $1 in
-        -*) echo "${1%%=*}" ;;
+        -*) echo "" ;;
         *=*) local key=${1%%=*}; key=${key#++}; echo "${key#[+~]}" ;;
         *) echo "" ;;
     esac
@@ -75,24 +75,17 @@ quatro_check_overrides() {
     done
 }
 
-# quatro_last_value KEY ARG...: the value the last KEY among ARGs sets: KEY=value, or for a
-# --flag KEY given alone, the argument after it. Empty if KEY is not set.
+# quatro_last_value KEY ARG...: the value the last KEY=value among ARGs sets; empty if none does.
 quatro_last_value() {
-    local key=$1 value=""
+    local key=$1 value="" arg
     shift
-    while [ $# -gt 0 ]; do
-        if [ "$1" = "$key" ] && [[ $key == -* ]] && [ $# -ge 2 ]; then
-            value=$2
-            shift
-        elif [ "$(quatro_override_key "$1")" = "$key" ] && [[ $1 == *=* ]]; then
-            value=${1#*=}
-        fi
-        shift
+    for arg in "$@"; do
+        [ "$(quatro_override_key "$arg")" = "$key" ] && value=${arg#*=}
     done
     echo "$value"
 }
 
-# quatro_sets_key KEY ARG...: true if an argument sets KEY (KEY=value or the flag KEY).
+# quatro_sets_key KEY ARG...: true if an argument is a KEY=value override.
 quatro_sets_key() {
     local key=$1 arg
     shift

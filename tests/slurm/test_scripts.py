@@ -203,9 +203,9 @@ def test_sweep_sets_skip_comments_and_blank_lines(tmp_path):
     (["a=1", "run.dir=/x", "b=2", "run.dir=/y"], "run.dir", "/y"),   # the last one wins
     (["+run.dir=/z"], "run.dir", "/z"),                              # Hydra's + prefix
     (["run.dir=/x", "++run.dir=/w"], "run.dir", "/w"),               # and ++
-    (["--data", "d.jsonl", "--out", "/o"], "--out", "/o"),           # argparse, separate value
-    (["--out=/p", "--name", "q"], "--out", "/p"),
-    (["--outdir=/p"], "--out", ""),                                  # a longer flag is not --out
+    (["--config-dir", "/c", "out=/o"], "out", "/o"),                # Hydra's flags are not keys
+    (["--config-dir=out=/p", "-m"], "out", ""),
+    (["output=/p"], "out", ""),                                      # a longer key is not out
     (["a=1"], "run.dir", ""),
 ])
 def test_last_value_of_a_key(args, key, expected):
