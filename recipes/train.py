@@ -25,31 +25,34 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from quatro_nemo.engine.config import (CONF_DIR, DEFAULT_PRIMARY, HYDRA_VERSION_BASE,  # noqa: E402
-                                       config_errors_exit, hydra_job_config, register_configs, run_hydra_app)
-from quatro_nemo.engine.loop import train  # noqa: E402
-from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted  # noqa: E402
-
-register_configs()
-
-
-@hydra.main(config_path=CONF_DIR, config_name=DEFAULT_PRIMARY, version_base=HYDRA_VERSION_BASE)
-def train_job(cfg: DictConfig) -> None:
-    """One training run (each job of a multirun is one). Exits are SystemExit, which Hydra passes on."""
-    with config_errors_exit():
-        config = hydra_job_config(cfg)
-    try:
-        train(config)
-    except Preempted as exc:
-        print(f"preempted: {exc}; checkpoint saved, exiting with {PREEMPTED_EXIT_CODE}", file=sys.stderr)
-        raise SystemExit(PREEMPTED_EXIT_CODE) from exc
+# The imports of torch, megatron and the engine are inside main(): dist_checkpointing's writer
+# starts a ``spawn`` Manager at the first checkpoint, and a spawned process re-runs this file's top
+# level (as __mp_main__), so heavy imports here would cost every training process ~2 s more.
 
 
 def main(argv) -> int:
     """Run the Hydra app on ``argv`` (``config=NAME`` -> ``--config-name=NAME``); the exit code."""
+    import hydra
+    from omegaconf import DictConfig
+
+    from quatro_nemo.engine.config import (CONF_DIR, DEFAULT_PRIMARY, HYDRA_VERSION_BASE, config_errors_exit,
+                                           hydra_job_config, register_configs, run_hydra_app)
+    from quatro_nemo.engine.loop import train
+    from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+    register_configs()
+
+    @hydra.main(config_path=CONF_DIR, config_name=DEFAULT_PRIMARY, version_base=HYDRA_VERSION_BASE)
+    def train_job(cfg: DictConfig) -> None:
+        """One training run (each job of a multirun is one). Exits are SystemExit, which Hydra passes on."""
+        with config_errors_exit():
+            config = hydra_job_config(cfg)
+        try:
+            train(config)
+        except Preempted as exc:
+            print(f"preempted: {exc}; checkpoint saved, exiting with {PREEMPTED_EXIT_CODE}", file=sys.stderr)
+            raise SystemExit(PREEMPTED_EXIT_CODE) from exc
+
     return run_hydra_app(train_job, argv)
 
 

@@ -18,11 +18,15 @@ from typing import Optional, Sequence
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from quatro_nemo.engine.config import CONFIG_ERROR_EXIT_CODE, ConfigError, load_config  # noqa: E402
+# Every import of torch, megatron or the engine stays inside main(): dist_checkpointing's writer
+# starts a ``spawn`` Manager at the first checkpoint, and a spawned process re-imports this
+# (__main__) module, so a heavy top level would cost every run ~2 s (tests/test_entry_point_imports.py).
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from quatro_nemo.engine.config import CONFIG_ERROR_EXIT_CODE, ConfigError, load_config
+
     if "--evaluate" not in argv:
         print("usage: python -m quatro_nemo.study.job KEY=VALUE... --evaluate [evaluation options]", file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
