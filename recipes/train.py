@@ -38,7 +38,7 @@ def main(argv) -> int:
     from quatro_nemo.engine.config import (CONF_DIR, DEFAULT_PRIMARY, HYDRA_VERSION_BASE, config_errors_exit,
                                            hydra_job_config, register_configs, run_hydra_app)
     from quatro_nemo.engine.loop import train
-    from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from quatro_nemo.megatron.preemption import preemption_exits
 
     register_configs()
 
@@ -47,11 +47,8 @@ def main(argv) -> int:
         """One training run (each job of a multirun is one). Exits are SystemExit, which Hydra passes on."""
         with config_errors_exit():
             config = hydra_job_config(cfg)
-        try:
+        with preemption_exits():
             train(config)
-        except Preempted as exc:
-            print(f"preempted: {exc}; checkpoint saved, exiting with {PREEMPTED_EXIT_CODE}", file=sys.stderr)
-            raise SystemExit(PREEMPTED_EXIT_CODE) from exc
 
     return run_hydra_app(train_job, argv)
 

@@ -42,7 +42,7 @@ from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy
 from quatro_nemo.engine.logging import MetricsLogger
-from quatro_nemo.engine.report import write_report
+from quatro_nemo.engine.report import heldout_table, write_report
 from quatro_nemo.engine.rollout import model_inputs
 from quatro_nemo.engine.rollout_backends import build_rollout_backend
 from quatro_nemo.engine.task import Task, build_task
@@ -382,8 +382,8 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     if rank0:
         summary = write_report(run_dir, cfg, task.properties)
         print(f"[quatro] done: report at {os.path.join(run_dir, 'report.md')}", flush=True)
-        if "heldout_table" in summary:   # the before/after comparison, where the user is looking
-            print(summary["heldout_table"], flush=True)
+        if summary["base"] and summary["final"]:   # the before/after comparison, where the user is looking
+            print("\n".join(heldout_table(summary["base"], summary["final"])), flush=True)
     return summary
 
 

@@ -52,6 +52,21 @@ def distinct_correct_per_solved(samples: List[Dict[str, Any]]) -> Optional[float
     return sum(solved) / len(solved) if solved else None
 
 
+def heldout_table(base: Dict[str, Any], final: Dict[str, Any]) -> List[str]:
+    """The held-out evaluation records of step 0 and the last step, side by side (markdown lines,
+    with the section heading): report.md's first section, which the training loop also prints."""
+    keys = sorted((k for k in final if k.startswith(("reward/", "pass@", "ucc@", "ucr", "entropy", "response_length"))),
+                  key=_metric_order)
+    lines = [f"## Held-out evaluation ({final.get('num_problems')} problems x {final.get('n_samples')} samples)",
+             "", "| metric | base model (step 0) | trained (step %d) | change |" % final["step"],
+             "|---|---|---|---|"]
+    for key in keys:
+        b, f = base.get(key), final.get(key)
+        change = f - b if isinstance(b, (int, float)) and isinstance(f, (int, float)) else ""
+        lines.append(f"| {key} | {_fmt(b)} | {_fmt(f)} | {_fmt(change) if change != '' else ''} |")
+    return lines
+
+
 def write_report(run_dir: str, cfg, task_properties: Dict[str, Any]) -> Dict[str, Any]:
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     evals = [r for r in records if r["kind"] == "eval"]
@@ -66,18 +81,8 @@ def write_report(run_dir: str, cfg, task_properties: Dict[str, Any]) -> Dict[str
              f"prompts x {cfg.rollout.n} responses, K = {cfg.trainer.inner_loops} inner loop(s), lr {cfg.trainer.lr}.",
              ""]
     if base and final:
-        keys = sorted((k for k in final if k.startswith(("reward/", "pass@", "ucc@", "ucr", "entropy", "response_length"))),
-                      key=_metric_order)
-        heldout = [f"## Held-out evaluation ({final.get('num_problems')} problems x {final.get('n_samples')} samples)",
-                   "", "| metric | base model (step 0) | trained (step %d) | change |" % final["step"],
-                   "|---|---|---|---|"]
-        for key in keys:
-            b, f = base.get(key), final.get(key)
-            change = f - b if isinstance(b, (int, float)) and isinstance(f, (int, float)) else ""
-            heldout.append(f"| {key} | {_fmt(b)} | {_fmt(f)} | {_fmt(change) if change != '' else ''} |")
         summary["heldout_reward_improvement"] = final["reward/mean"] - base["reward/mean"]
-        summary["heldout_table"] = "\n".join(heldout)   # recipes/train.py prints it at the end
-        lines += heldout + [""]
+        lines += heldout_table(base, final) + [""]
         base_samples, final_samples = _samples(run_dir, base["step"]), _samples(run_dir, final["step"])
         if base_samples and final_samples:
             diversity = [distinct_correct_per_solved(base_samples), distinct_correct_per_solved(final_samples)]
@@ -109,6 +114,6 @@ def write_report(run_dir: str, cfg, task_properties: Dict[str, Any]) -> Dict[str
         lines += ["## The task (measured)", "", "```json", json.dumps(task_properties, indent=1, default=str), "```", ""]
     with open(os.path.join(run_dir, "report.md"), "w") as f:
         f.write("\n".join(lines))
-    with open(os.path.join(run_dir, "report.json"), "w") as f:   # the table's numbers are in base / final
-        json.dump({k: v for k, v in summary.items() if k != "heldout_table"}, f, indent=1, default=str)
+    with open(os.path.join(run_dir, "report.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
     return summary

@@ -5,8 +5,10 @@ the recipe exits with :data:`PREEMPTED_EXIT_CODE`, which the SLURM templates req
 """
 from __future__ import annotations
 
+import contextlib
 import signal
-from typing import Optional
+import sys
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,17 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpoint saved, requeue me (docs/inte
 
 class Preempted(RuntimeError):
     """Raised after a SIGUSR1/SIGTERM-triggered checkpoint; the entry point exits with 75."""
+
+
+@contextlib.contextmanager
+def preemption_exits() -> Iterator[None]:
+    """Around an entry point's training: :class:`Preempted` is reported on stderr and the process
+    exits with :data:`PREEMPTED_EXIT_CODE` (a ``SystemExit``, which Hydra's job runner passes on)."""
+    try:
+        yield
+    except Preempted as exc:
+        print(f"preempted: {exc}; checkpoint saved, exiting with {PREEMPTED_EXIT_CODE}", file=sys.stderr)
+        raise SystemExit(PREEMPTED_EXIT_CODE) from exc
 
 
 class PreemptionFlag:

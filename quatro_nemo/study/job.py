@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from quatro_nemo.engine.config import CONFIG_ERROR_EXIT_CODE, ConfigError, load_config
+    from quatro_nemo.engine.config import CONFIG_ERROR_EXIT_CODE, config_errors_exit, load_config
 
     if "--evaluate" not in argv:
         print("usage: python -m quatro_nemo.study.job KEY=VALUE... --evaluate [evaluation options]", file=sys.stderr)
@@ -34,23 +34,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     train_argv, eval_argv = argv[:split], argv[split + 1:]
 
     from quatro_nemo.engine.loop import train
-    from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
+    from quatro_nemo.megatron.preemption import preemption_exits
     from quatro_nemo.study.evaluation import STUDY_EVAL, evaluate_run, parse_args, write_records
     from quatro_nemo.study.runner import is_trained
 
     options = parse_args(["RUN_DIR", *eval_argv])
-    try:
+    with config_errors_exit():
         cfg = load_config(train_argv)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return CONFIG_ERROR_EXIT_CODE
     started = time.perf_counter()
     if not is_trained(cfg.run.dir):
-        try:
+        with preemption_exits():
             train(cfg)
-        except Preempted as exc:
-            print(f"preempted: {exc}; checkpoint saved, exiting with {PREEMPTED_EXIT_CODE}", file=sys.stderr)
-            return PREEMPTED_EXIT_CODE
     trained = time.perf_counter()
     records = evaluate_run(cfg.run.dir, options.problems, options.n, options.top_p, options.temperature, options.seed)
     seconds = {"train": round(trained - started, 2), "evaluate": round(time.perf_counter() - trained, 2)}
