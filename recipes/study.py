@@ -122,7 +122,7 @@ def run(recipe: StudyRecipeConfig) -> int:
     if recipe.collect:
         result = collect_sweep(cfg, recipe.collect, recipe.out or os.path.join(recipe.collect, "study_report"))
     elif recipe.report_only:
-        result = write_report(cfg, build_plan(cfg), out, out, previous_info(out))
+        result = write_report(cfg, build_plan(cfg, out), out, out, previous_info(out))
     else:
         result = run_study(cfg, out)
     for claim in result["claims"]:

@@ -16,7 +16,8 @@ exactly these five, each shown necessary by switching it off (``docs/stack-facts
    with ``device="cuda"``; tied embeddings under PP call ``weight.data.cuda()``. A
    ``TorchFunctionMode`` (:class:`CudaToCpuDeviceMode`) that maps CUDA devices (``device=``
    keywords and ``Tensor.cuda()``) to the CPU is entered once for the process (forked ranks
-   inherit it). Measured overhead on a small MLP forward+backward: within timing noise.
+   inherit it). Its cost is one Python call per torch call, 1-2 us (``benchmarks/bench_compat.py``): a
+   few percent of a training step of the CPU default (~25k torch calls).
 4. **p2p synchronisation.** ``p2p_communication`` calls ``torch.cuda.synchronize()``: a no-op.
 5. **Legacy type strings.** megatron's optimizers and gradient clipping classify parameters by
    ``param.type() == "torch.cuda.FloatTensor"`` (``optimizer.py``, ``distrib_optimizer.py``,
@@ -66,14 +67,18 @@ class CudaToCpuDeviceMode(TorchFunctionMode):
     reports CPU tensors' legacy type names as CUDA ones (workaround 5)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        # Every torch call of the process passes here (~25k per training step of the CPU default):
+        # the common case (no device keyword, not .cuda()/.type()) returns after two identity
+        # checks and one dict lookup, with no copy of ``kwargs``.
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if not kwargs:
+            return func(*args)
         if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
+            kwargs = dict(kwargs, device="cpu")
         return func(*args, **kwargs)
 
 

@@ -43,15 +43,28 @@ def _start_writer_manager_deaf_to_preemption() -> None:
     that SLURM sends to every process of a job step to ask for a checkpoint would kill it, and the
     checkpoint with it (seen in tests/slurm: EOFError from the Manager). Start it here with those
     signals blocked: the mask is inherited across exec, so the Manager never receives them, while
-    this process gets them as soon as the mask is restored (blocked signals stay pending)."""
+    this process gets them as soon as the mask is restored (blocked signals stay pending).
+
+    Without CUDA the Manager is forked instead of spawned. megatron spawns it because a forked
+    child of a process that has initialised CUDA cannot use CUDA; on the CPU there is nothing to
+    protect, and a spawned Manager costs ~2 s of CPU per process: it starts an interpreter and
+    imports torch to unpickle the first write result. (The writer's own worker processes are
+    forked by megatron on every device.) A forked process keeps the blocked mask too."""
+    import multiprocessing
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from quatro_nemo.megatron.compat import cpu_compat_needed
 
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
     preemption_signals = {signal.SIGUSR1, signal.SIGTERM}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, preemption_signals)
     try:
-        filesystem_async._get_write_results_queue()
+        if cpu_compat_needed():
+            filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        else:
+            filesystem_async._get_write_results_queue()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 

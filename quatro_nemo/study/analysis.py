@@ -26,7 +26,7 @@ import torch
 
 from quatro_nemo.algos import solve_dual
 from quatro_nemo.study.config import QUATRO, StudyConfig
-from quatro_nemo.study.plan import Setting, StudyPlan
+from quatro_nemo.study.plan import Setting, StudyPlan, holds
 from quatro_nemo.study.stats import (NOT_TESTED, Comparison, PairedTest, decide, exact_verdict, paired_differences,
                                      paired_t)
 
@@ -315,38 +315,46 @@ def _paired(a: Mapping[int, float], b: Mapping[int, float]) -> Tuple[List[int], 
     return seeds, [a[s] - b[s] for s in seeds]
 
 
-def sweep_degradation(study: Study, axis: Dict[Any, Setting], seeds: Sequence[int], default: Any
-                      ) -> Dict[int, float]:
-    """seed -> mean over the axis's non-default points of (reward at the default - reward there):
-    how much held-out reward the method loses along the axis, each seed on its own runs."""
+def sweep_degradation(study: Study, axis: Dict[Any, Setting], seeds: Sequence[int], default: Any,
+                      points: Optional[Sequence[Any]] = None) -> Dict[int, float]:
+    """seed -> mean over ``points`` (default: the axis's non-default points) of (reward at the
+    default - reward there): how much held-out reward the method loses along the axis, each seed
+    on its own runs."""
     reward = final_metric("reward/mean", study.claim_top_p)
     at_default = study.by_seed(axis[default], seeds, reward)
+    points = [x for x in axis if x != default] if points is None else list(points)
     drops: Dict[int, List[float]] = {}
-    for x, setting in axis.items():
-        if x == default:
-            continue
-        for seed, value in study.by_seed(setting, seeds, reward).items():
+    for x in points:
+        for seed, value in study.by_seed(axis[x], seeds, reward).items():
             if seed in at_default:
                 drops.setdefault(seed, []).append(at_default[seed] - value)
-    points = len(axis) - 1
-    return {s: float(np.mean(d)) for s, d in drops.items() if len(d) == points}
+    return {s: float(np.mean(d)) for s, d in drops.items() if len(d) == len(points)}
 
 
 def claim_stability(study: Study, claim_id: str, statement: str, sweep: Dict[str, Dict[Any, Setting]],
                     default: Any, axis_name: str) -> Claim:
-    """Each baseline's reward loss along the axis minus QUATRO's, paired by seed (sweep seeds)."""
+    """Each baseline's reward loss along the axis minus QUATRO's, paired by seed (sweep seeds), on
+    the points both ran (all of them, unless a search ended one method's sweep before another's)."""
     if QUATRO not in sweep or len(sweep[QUATRO]) < 2:
         return Claim(claim_id, statement, NOT_TESTED, "", [], f"the {axis_name} sweep has one point")
     seeds = study.plan.sweep_seeds
     mine = sweep_degradation(study, sweep[QUATRO], seeds, default)
-    comparisons = [paired_comparison(name, sweep_degradation(study, axis, seeds, default), mine,
-                                     quatro_loss=_mean(mine),
-                                     baseline_loss=_mean(sweep_degradation(study, axis, seeds, default)))
-                   for name, axis in sweep.items() if name != QUATRO]
+    comparisons = []
+    for name, axis in sweep.items():
+        if name == QUATRO:
+            continue
+        common = sorted(x for x in axis if x in sweep[QUATRO] and x != default)
+        baseline = sweep_degradation(study, axis, seeds, default, common)
+        quatro = sweep_degradation(study, sweep[QUATRO], seeds, default, common)
+        detail = {} if len(common) == len(sweep[QUATRO]) - 1 == len(axis) - 1 else {
+            "points": ", ".join(f"{x:g}" for x in common)}
+        comparisons.append(paired_comparison(name, baseline, quatro, quatro_loss=_mean(quatro),
+                                             baseline_loss=_mean(baseline), **detail))
     summary = "" if not mine else (f"QUATRO's mean held-out reward loss over {axis_name} != {default:g}: "
                                    f"{_mean(mine):+.4f}")
     return _claim(study, claim_id, statement, comparisons, summary,
-                  "loss = reward at the default minus reward at a point, averaged over the axis's other points")
+                  "loss = reward at the default minus reward at a point, averaged over the axis's other points "
+                  "that both methods ran")
 
 
 def claim_logratio(study: Study) -> Claim:
@@ -467,12 +475,11 @@ def breaking_point(means: Mapping[float, float], default: float, tolerance: floa
     of the reward at `default` (the method's 'breaking point' is the next one)."""
     if default not in means:
         return None
-    floor = tolerance * means[default]
     best = None
     for x in sorted(means):
         if x < default:
             continue
-        if means[x] < floor:
+        if not holds(means[x], means[default], tolerance):
             break
         best = x
     return best

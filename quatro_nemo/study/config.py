@@ -77,9 +77,15 @@ class SweepConfig:
     # a method's breaking point on an axis: the last point whose mean final held-out reward keeps
     # at least this fraction of its reward at the default (lr x1, K = 1), every point before it too
     tolerance: float = 0.9
+    # Search the sweeps instead of running their whole grids: a method's next K or lr multiplier
+    # runs only once its previous one has held (plan.searched_points), so each method's sweep ends
+    # at its breaking point. Every method follows the same rule; it saves the runs past each break.
+    search: bool = False
 
     def validate(self) -> None:
         _check_algorithms("sweeps.algorithms", self.algorithms)
+        if not isinstance(self.search, bool):
+            raise StudyConfigError(f"sweeps.search must be true or false, got {self.search!r}")
         _check_positive("sweeps.inner_loops", self.inner_loops, integer=True)
         _check_positive("sweeps.lr_multipliers", self.lr_multipliers, integer=False)
         _check_seeds("sweeps.seeds", self.seeds)

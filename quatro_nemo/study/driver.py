@@ -18,12 +18,13 @@ from quatro_nemo.data.schema import iter_jsonl
 from quatro_nemo.engine.config import load_config
 from quatro_nemo.engine.logging import read_metrics
 from quatro_nemo.study.analysis import (BASE, EVAL_KIND, Study, advantage_table, archive_path, evaluate_claims,
-                                        load_base, load_runs, write_archive)
+                                        load_base, load_runs, read_archive, write_archive)
 from quatro_nemo.study.config import QUATRO, StudyConfig
 from quatro_nemo.study.evaluation import STUDY_EVAL, evaluate_base
 from quatro_nemo.study.adaptive import build_adaptive_plan
 from quatro_nemo.study.adaptive_report import write_adaptive_report
-from quatro_nemo.study.plan import StudyPlan, build_paper_plan, read_defaults, sweep_line, sweep_lines, train_args
+from quatro_nemo.study.plan import (Defaults, RewardOf, RunSpec, StudyPlan, build_paper_plan, read_defaults, sweep_line,
+                                    sweep_lines, train_args)
 from quatro_nemo.study.report import write_study_report
 from quatro_nemo.study.runner import RunResult, StudyInterrupted, execute, is_done, is_trained, prewarm, run_dir
 
@@ -81,12 +82,36 @@ def archive_runs(run_dirs: Dict[str, str], study_dir: str) -> int:
     return kept
 
 
-def build_plan(cfg: StudyConfig) -> StudyPlan:
+def finished_rewards(cfg: StudyConfig, study_dir: str) -> RewardOf:
+    """A run's final held-out reward at the claims' top-p (``evaluation.top_p[0]``) from its kept
+    metrics (``<study_dir>/metrics``) or its run directory's study evaluation; None while neither
+    exists. What the learning-rate search (``plan.searched_points``) judges by."""
+    top_p = float(cfg.evaluation.top_p[0])
+    known: Dict[str, float] = {}
+
+    def reward_of(spec: RunSpec) -> Optional[float]:
+        if spec.name not in known:
+            archive, evaluation = archive_path(study_dir, spec.name), os.path.join(run_dir(study_dir, spec.name), STUDY_EVAL)
+            records = (read_archive(archive) if os.path.isfile(archive) else
+                       [r for _, r in iter_jsonl(evaluation)] if os.path.isfile(evaluation) else [])
+            rewards = [r["reward/mean"] for r in records if r.get("kind") == EVAL_KIND and r.get("top_p") == top_p]
+            if not rewards:
+                return None
+            known[spec.name] = rewards[-1]
+        return known[spec.name]
+    return reward_of
+
+
+def build_plan(cfg: StudyConfig, results_dir: Optional[str] = None, defaults: Optional[Defaults] = None,
+               unknown_holds: bool = False) -> StudyPlan:
     """The study's runs, by its kind: the paper's comparison (``plan.build_paper_plan``) or the
-    adaptive-delta study (``adaptive.build_adaptive_plan``)."""
+    adaptive-delta study (``adaptive.build_adaptive_plan``). ``results_dir``: the study directory
+    whose finished runs a search follows (none: the whole grid); ``unknown_holds``:
+    ``plan.searched_points``."""
     if cfg.kind == "adaptive":
         return build_adaptive_plan(cfg, read_defaults(cfg, [QUATRO]))
-    return build_paper_plan(cfg)
+    rewards = None if results_dir is None else finished_rewards(cfg, results_dir)
+    return build_paper_plan(cfg, rewards, defaults, unknown_holds)
 
 
 def write_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out_dir: str,
@@ -141,7 +166,7 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
     started = time.time()
     # Absolute: the trainings run with the repository as working directory (runner.execute).
     out_dir = os.path.abspath(out_dir)
-    plan = build_plan(cfg)
+    plan = build_plan(cfg, out_dir)
     base = train_args(cfg)
     pending = [s for s in plan.runs.values() if not is_done(run_dir(out_dir, s.name))]
     log(f"[study] {cfg.name}: {len(plan.runs)} runs, {len(plan.runs) - len(pending)} already done; "
@@ -150,9 +175,11 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
     if pending:
         prewarm(base)   # the warm-start cache once, not in every concurrent run
     ensure_base_evaluation(cfg, out_dir, log)
+    runs = sorted(plan.runs.values(), key=lambda spec: start_order(plan, spec))
     try:
-        results = execute(list(plan.runs.values()), out_dir, base, cfg.workers, log=log,
-                          evaluation_args=lambda spec: evaluation_args(cfg, plan.needs_full_evaluation(spec)))
+        results = execute(runs, out_dir, base, cfg.workers, log=log, preload=True,
+                          evaluation_args=lambda spec: evaluation_args(cfg, plan.needs_full_evaluation(spec)),
+                          refill=lambda: list(build_plan(cfg, out_dir, plan.defaults).runs.values()))
     except StudyInterrupted as stop:
         totals = record_invocation(out_dir, (time.time() - started) / 60.0, _count_done(stop.results),
                                    _run_seconds(stop.results), runs_started=stop.runs_started, interrupted=True)
@@ -164,6 +191,7 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
             "runs_executed": _count_done(results),
             "runs_skipped": sum(r.status == "skipped" for r in results)}
     info.update(record_invocation(out_dir, info["wall_minutes"], info["runs_executed"], _run_seconds(results)))
+    plan = build_plan(cfg, out_dir, plan.defaults)   # every search decision made
     archive_runs({name: run_dir(out_dir, name) for name in plan.runs}, out_dir)
     out = write_report(cfg, plan, out_dir, out_dir, info)
     minutes, total = info["wall_minutes"], info["total_wall_minutes"]
@@ -173,6 +201,16 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
         + (f"; {len(failed)} failed run(s): {failed}" if failed else "") + ")")
     out["info"] = info
     return out
+
+
+def start_order(plan: StudyPlan, spec: RunSpec) -> tuple:
+    """Sort key of the runs at the start: the sweeps' default runs (K = 1, lr x 1, sweep seeds)
+    first, since a search adds a method's next points only once they are done; then heavier runs
+    (more inner loops) first, so that the last minutes are not one long run alone. Runs a search
+    adds later start before the remaining ones (runner.execute)."""
+    defaults = {axis[x] for sweep, x in ((plan.sweep_inner, 1), (plan.sweep_lr, 1.0))
+                for axis in sweep.values() if x in axis}
+    return (not (spec.setting in defaults and spec.seed in plan.sweep_seeds), -spec.setting.inner_loops)
 
 
 def _count_done(results: List[RunResult]) -> int:
@@ -210,4 +248,4 @@ def collect_sweep(cfg: StudyConfig, sweep_dir: str, out_dir: str) -> Dict[str, A
             if name is not None:
                 run_dirs[name] = os.path.join(sweep_dir, task)
     archive_runs(run_dirs, out_dir)
-    return write_report(cfg, plan, out_dir, out_dir, {"collected_from": sweep_dir})
+    return write_report(cfg, build_plan(cfg, out_dir, plan.defaults), out_dir, out_dir, {"collected_from": sweep_dir})

@@ -23,6 +23,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # (__main__) module, so a heavy top level would cost every run ~2 s (tests/test_entry_point_imports.py).
 
 
+PRELOADED_MODULES = ("megatron.core.dist_checkpointing", "megatron.core.inference.contexts",
+                     "megatron.core.optimizer", "megatron.core.pipeline_parallel", "quatro_nemo.engine.loop",
+                     "quatro_nemo.study.evaluation")
+
+
+def preload(train_argv: Sequence[str]) -> None:
+    """What every job of a study would otherwise redo, done once in the fork server
+    (:mod:`quatro_nemo.study.forkserver`): the imports of :func:`main` and of what it imports
+    lazily (megatron's schedules, optimizer, inference context and dist_checkpointing), and the
+    task and base model of the study's training arguments (cached per process)."""
+    import importlib
+
+    from quatro_nemo.study.runner import prewarm
+
+    for module in PRELOADED_MODULES:
+        importlib.import_module(module)
+    prewarm(train_argv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from quatro_nemo.engine.config import CONFIG_ERROR_EXIT_CODE, config_errors_exit, load_config

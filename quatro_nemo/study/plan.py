@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from quatro_nemo.engine.config import load_config
 from quatro_nemo.study.config import QUATRO, StudyConfig
@@ -119,25 +121,80 @@ class StudyPlan:
                 or (self.adaptive is not None and self.adaptive.needs_full_evaluation(spec)))
 
 
-def build_paper_plan(cfg: StudyConfig) -> StudyPlan:
+# A finished run's final held-out reward at the claims' top-p, None while it is not finished.
+RewardOf = Callable[[RunSpec], Optional[float]]
+
+
+def holds(reward: float, reward_at_default: float, tolerance: float) -> bool:
+    """A sweep point holds when its mean final held-out reward keeps at least ``tolerance`` of the
+    method's reward at the sweep's default (a method's breaking point is the first that does not)."""
+    return reward >= tolerance * reward_at_default
+
+
+def searched_points(points: Sequence, default, mean_reward: Callable[[Any], Optional[float]],
+                    tolerance: float, unknown_holds: bool = False) -> List:
+    """The points of a sweep a search runs: every point up to ``default``, then each next point
+    while the one before it holds (:func:`holds`); the first point that breaks is the last. A point
+    whose mean reward is not known yet (its runs are not finished) ends the list for now, or, with
+    ``unknown_holds`` (a cost estimate's upper bound), counts as holding."""
+    ordered = sorted(points)
+    chosen = [x for x in ordered if x <= default]
+    at_default = mean_reward(default)
+    for x in (x for x in ordered if x > default):
+        previous = mean_reward(chosen[-1])
+        if at_default is None or previous is None:
+            if not unknown_holds:
+                break
+        elif not holds(previous, at_default, tolerance):
+            break
+        chosen.append(x)
+    return chosen
+
+
+def build_paper_plan(cfg: StudyConfig, reward_of: Optional[RewardOf] = None,
+                     defaults: Optional[Defaults] = None, unknown_holds: bool = False) -> StudyPlan:
     """The run list of a ``kind: paper`` study (``kind: adaptive``: ``adaptive.build_adaptive_plan``;
-    ``driver.build_plan`` chooses)."""
+    ``driver.build_plan`` chooses).
+
+    With ``sweeps.search``, each method's points of the K and learning-rate sweeps are
+    :func:`searched_points`, judged by ``reward_of`` (the finished runs' rewards): the study adds a
+    method's next K or multiplier only once the one before it has held. Without ``reward_of`` (a
+    SLURM sweep, which runs every run at once), the whole grids. ``defaults``: :func:`read_defaults`'
+    result, when known. ``unknown_holds``: see :func:`searched_points`."""
     algorithms = sorted(set(cfg.algorithms) | set(cfg.sweeps.algorithms))
-    defaults = read_defaults(cfg, algorithms)
+    defaults = defaults or read_defaults(cfg, algorithms)
     runs: Dict[str, RunSpec] = {}
 
+    def specs(setting: Setting, seeds: Sequence[int]) -> List[RunSpec]:
+        return [RunSpec(setting, seed, run_overrides(setting, seed, defaults)) for seed in seeds]
+
     def add(setting: Setting, seeds: Sequence[int]) -> Setting:
-        for seed in seeds:
-            spec = RunSpec(setting, seed, run_overrides(setting, seed, defaults))
+        for spec in specs(setting, seeds):
             runs.setdefault(spec.name, spec)
         return setting
 
     compare = {a: add(make_setting(defaults, a), cfg.seeds) for a in cfg.algorithms}
     sw = cfg.sweeps
-    sweep_inner = {a: {k: add(make_setting(defaults, a, inner_loops=k), sw.seeds) for k in sw.inner_loops}
+
+    def mean_reward(setting: Setting) -> Optional[float]:
+        rewards = [reward_of(spec) for spec in specs(setting, sw.seeds)]
+        return None if any(r is None for r in rewards) else float(np.mean(rewards))   # as analysis.stat
+
+    def points(grid: Sequence, default, setting_at: Callable[[Any], Setting]) -> List:
+        if not sw.search or reward_of is None:
+            return list(grid)
+        return searched_points(grid, default, lambda x: mean_reward(setting_at(x)), sw.tolerance, unknown_holds)
+
+    def inner_setting(algorithm: str) -> Callable[[int], Setting]:
+        return lambda k: make_setting(defaults, algorithm, inner_loops=k)
+
+    def lr_setting(algorithm: str) -> Callable[[float], Setting]:
+        return lambda m: make_setting(defaults, algorithm, inner_loops=1, lr_multiplier=m)
+
+    sweep_inner = {a: {k: add(inner_setting(a)(k), sw.seeds) for k in points(sw.inner_loops, 1, inner_setting(a))}
                    for a in sw.algorithms}
-    sweep_lr = {a: {m: add(make_setting(defaults, a, inner_loops=1, lr_multiplier=m), sw.seeds)
-                    for m in sw.lr_multipliers} for a in sw.algorithms}
+    sweep_lr = {a: {m: add(lr_setting(a)(m), sw.seeds) for m in points(sw.lr_multipliers, 1.0, lr_setting(a))}
+                for a in sw.algorithms}
     ab = cfg.ablation
     ablation = {g: add(make_setting(defaults, QUATRO, inner_loops=ab.inner_loops, delta=ab.delta, log_ratio=g),
                        ab.seeds) for g in ab.log_ratios}

@@ -1,16 +1,20 @@
-"""Run the study's training runs as independent processes, a few at a time, resumably.
+"""Run the study's training runs, a few at a time, resumably.
 
-Each run is one process in its own directory ``<study dir>/runs/<run name>`` with its output in
-``train.log``: ``recipes/train.py``, or, when the study evaluates its runs, the study's job
+Each run has its own directory ``<study dir>/runs/<run name>`` with its output in ``train.log``:
+``recipes/train.py``, or, when the study evaluates its runs, the study's job
 (:mod:`quatro_nemo.study.job`: the same training, then the evaluation of the final policy in the
-same process). A run is done once its ``report.json`` exists (training only) or its
+same process). Every run is its own process, forked by one fork server per invocation
+(:mod:`quatro_nemo.study.forkserver`), which imports the libraries and builds the task once
+(``prewarm``). A run is done once its ``report.json`` exists (training only) or its
 ``study_eval.jsonl`` does (with evaluation); done runs are skipped, so re-running an interrupted
 study continues where it stopped (a run cut short resumes from its last checkpoint, which the
 training does by itself). Failed runs are reported, not retried within one invocation.
 """
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -53,16 +57,6 @@ class RunResult:
     cpu_seconds: Optional[float] = None   # user + system time of the run's process
 
 
-def _reap(process: subprocess.Popen) -> Optional[tuple]:
-    """(exit code, CPU seconds) of a process that has exited, else None. ``os.wait4`` returns the
-    child's resource usage, which ``Popen.poll`` would discard."""
-    pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-    if pid == 0:
-        return None
-    process.returncode = os.waitstatus_to_exitcode(status)
-    return process.returncode, usage.ru_utime + usage.ru_stime
-
-
 def prewarm(base_args: Sequence[str]) -> None:
     """Build the warm-start cache once, before several runs would each train it."""
     from quatro_nemo.engine.config import load_config
@@ -77,18 +71,110 @@ def prewarm(base_args: Sequence[str]) -> None:
 
 def command_of(spec: RunSpec, directory: str, base_args: Sequence[str],
                evaluation_args: Optional[EvaluationArgs]) -> List[str]:
-    """The process of one run: recipes/train.py, or the study job (training + evaluation)."""
+    """The Python command line of one run (after the interpreter): recipes/train.py, or the study
+    job (training + evaluation)."""
     train = [*base_args, *spec.overrides, f"run.dir={directory}", "run.progress_bar=false"]
     if evaluation_args is None:
-        return [sys.executable, TRAIN, *train]
-    return [sys.executable, *JOB, *train, "--evaluate", *evaluation_args(spec)]
+        return [TRAIN, *train]
+    return [*JOB, *train, "--evaluate", *evaluation_args(spec)]
+
+
+class ForkServerError(RuntimeError):
+    """The fork server exited while the study still needed it."""
+
+
+class ForkServer:
+    """The caller's side of :mod:`quatro_nemo.study.forkserver`: start runs, collect how they ended."""
+
+    def __init__(self, study_dir: str, env: Dict[str, str], prewarm_args: Optional[Sequence[str]]) -> None:
+        self.log_path = os.path.join(study_dir, "forkserver.log")
+        command = [sys.executable, "-m", "quatro_nemo.study.forkserver"]
+        if prewarm_args is not None:
+            command += ["--prewarm", *prewarm_args]
+        with open(self.log_path, "a") as log:
+            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=log)
+        self.running: set = set()            # requested, not yet reported finished
+        self.pids: Dict[str, int] = {}       # of those, the ones the server has forked
+        self._ready = False
+        self._reports: List[Dict] = []
+        self._buffer = b""
+        while not self._ready:
+            self._read(timeout=None)
+
+    def start(self, name: str, argv: Sequence[str], log_path: str) -> None:
+        request = {"name": name, "argv": list(argv), "log": log_path}
+        try:
+            self.process.stdin.write((json.dumps(request) + "\n").encode())
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            self._died()
+        self.running.add(name)
+
+    def finished(self, timeout: Optional[float]) -> List[Dict]:
+        """``{"finished": name, "code": ..., "cpu": ...}`` of the runs that ended since the last
+        call (waits up to ``timeout`` seconds when there is none yet; None: until one ends)."""
+        if not self._reports:
+            self._read(timeout)
+        reports, self._reports = self._reports, []
+        return reports
+
+    def terminate(self) -> None:
+        """SIGTERM to every run still going (it checkpoints and exits 75)."""
+        while any(name not in self.pids for name in self.running):
+            self._read(timeout=None)         # the server forks every request it has read
+        for name in self.running:
+            try:
+                os.kill(self.pids[name], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> List[Dict]:
+        """End of requests: wait until the server has reported every run; their reports."""
+        reports: List[Dict] = []
+        self.process.stdin.close()
+        while self.running or self._reports:
+            reports += self.finished(timeout=None)
+        self.process.wait()
+        return reports
+
+    def _read(self, timeout: Optional[float]) -> None:
+        readable, _, _ = select.select([self.process.stdout], [], [], timeout)
+        if not readable:
+            return
+        chunk = os.read(self.process.stdout.fileno(), 65536)
+        if not chunk:
+            self._died()
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for message in (json.loads(line) for line in lines if line.strip()):
+            if message.get("ready"):
+                self._ready = True
+            elif "started" in message:
+                self.pids[message["started"]] = message["pid"]
+            elif "finished" in message:
+                self.running.discard(message["finished"])
+                self.pids.pop(message["finished"], None)
+                self._reports.append(message)
+
+    def _died(self) -> None:
+        code = self.process.wait()
+        with open(self.log_path) as log:
+            tail = log.read()[-3000:]
+        raise ForkServerError(f"the study's fork server exited with {code}; {self.log_path}:\n{tail}")
 
 
 def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], workers: int,
             log: Callable[[str], None] = print, poll_s: float = 0.5,
-            evaluation_args: Optional[EvaluationArgs] = None) -> List[RunResult]:
-    """Run every spec not yet done (trained, and evaluated with `evaluation_args`), at most
-    `workers` processes at a time; return what happened."""
+            evaluation_args: Optional[EvaluationArgs] = None, preload: bool = False,
+            refill: Optional[Callable[[], Sequence[RunSpec]]] = None) -> List[RunResult]:
+    """Run every spec not yet done (trained, and evaluated with `evaluation_args`), in the order
+    given, at most `workers` processes at a time; return what happened.
+
+    ``preload``: the fork server imports the libraries and builds the task of ``base_args``
+    before the first run. ``refill``: called after each run ends, returns the runs the study
+    needs now (a search adds runs once the ones it depends on are done); those not yet known
+    start next, before the remaining ones."""
     results: List[RunResult] = []
     pending: List[RunSpec] = []
     evaluated = evaluation_args is not None
@@ -97,28 +183,53 @@ def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], w
             results.append(RunResult(spec.name, "skipped"))
         else:
             pending.append(spec)
-    # Heavier runs (more inner loops) first, so the last minutes are not one long run alone.
-    pending.sort(key=lambda s: -s.setting.inner_loops)
+    queue = _Queue(pending, {spec.name for spec in runs}, refill, study_dir, evaluated)
+    queue.refill()
+    if not queue.pending:
+        return results
     # Each run is its own one-process world: never inherit a rendezvous (prewarm, or a study started
     # under torchrun/SLURM, may have set MASTER_PORT, and two runs on one port collide).
     env = dict(standalone_environment(), PYTHONUNBUFFERED="1")
-    active: Dict[str, tuple] = {}
-    total = len(pending)
     previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
+    server = None
     try:
-        _loop(pending, active, results, total, study_dir, base_args, workers, env, log, poll_s, evaluation_args)
+        os.makedirs(study_dir, exist_ok=True)
+        server = ForkServer(study_dir, env, list(base_args) if preload else None)
+        _loop(server, queue, results, study_dir, base_args, workers, log, poll_s, evaluation_args)
+        server.close()
     except KeyboardInterrupt:
-        # SIGTERM makes train.py checkpoint and exit 75: the next invocation resumes these runs.
-        for process, handle, _ in active.values():
-            process.terminate()
-        for process, handle, _ in active.values():
-            process.wait()
-            handle.close()
-        raise StudyInterrupted(results, runs_started=total - len(pending)) from None
+        # SIGTERM makes a run checkpoint and exit 75: the next invocation resumes it.
+        if server is not None:
+            server.terminate()
+            server.close()
+        raise StudyInterrupted(results, runs_started=queue.started) from None
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return results
+
+
+@dataclass
+class _Queue:
+    """The runs still to start, and the runs the study asked for so far."""
+
+    pending: List[RunSpec]
+    known: set
+    source: Optional[Callable[[], Sequence[RunSpec]]]
+    study_dir: str
+    evaluated: bool
+    started: int = 0
+
+    def refill(self) -> None:
+        if self.source is None:
+            return
+        new = [spec for spec in self.source() if spec.name not in self.known]
+        self.known.update(spec.name for spec in new)
+        self.pending[:0] = [spec for spec in new if not is_done(run_dir(self.study_dir, spec.name), self.evaluated)]
+
+    def pop(self) -> RunSpec:
+        self.started += 1
+        return self.pending.pop(0)
 
 
 class StudyInterrupted(KeyboardInterrupt):
@@ -135,29 +246,27 @@ def _interrupt(signum, _frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _loop(pending, active, results, total, study_dir, base_args, workers, env, log, poll_s,
+def _loop(server: ForkServer, queue: _Queue, results, study_dir, base_args, workers, log, poll_s,
           evaluation_args) -> None:
-    while pending or active:
-        while pending and len(active) < workers:
-            spec = pending.pop(0)
+    started: Dict[str, float] = {}
+    while queue.pending or started:
+        while queue.pending and len(started) < workers:
+            spec = queue.pop()
             directory = run_dir(study_dir, spec.name)
             os.makedirs(directory, exist_ok=True)
             command = command_of(spec, directory, base_args, evaluation_args)
-            handle = open(os.path.join(directory, "train.log"), "a")
-            handle.write("$ " + " ".join(command) + "\n")
-            handle.flush()
-            process = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
-            active[spec.name] = (process, handle, time.time())
-        time.sleep(poll_s)
-        for name, (process, handle, started) in list(active.items()):
-            reaped = _reap(process)
-            if reaped is None:
-                continue
-            code, cpu = reaped
-            handle.close()
-            del active[name]
+            log_path = os.path.join(directory, "train.log")
+            with open(log_path, "a") as handle:
+                handle.write(f"$ {sys.executable} " + " ".join(command) + "  (forked by the study's fork server)\n")
+            server.start(spec.name, command, log_path)
+            started[spec.name] = time.time()
+        for report in server.finished(timeout=poll_s):
+            name, code = report["finished"], report["code"]
+            seconds = time.time() - started.pop(name)
             ok = code == 0 and is_done(run_dir(study_dir, name), evaluation_args is not None)
-            results.append(RunResult(name, "done" if ok else "failed", time.time() - started, code, cpu))
+            results.append(RunResult(name, "done" if ok else "failed", seconds, code, report["cpu"]))
             finished = sum(r.status != "skipped" for r in results)
-            log(f"[study] {finished}/{total} {name}: {'ok' if ok else f'FAILED (exit {code})'} "
-                f"in {time.time() - started:.0f} s" + ("" if ok else f"; see {run_dir(study_dir, name)}/train.log"))
+            log(f"[study] {finished}/{finished + len(started) + len(queue.pending)} {name}: "
+                f"{'ok' if ok else f'FAILED (exit {code})'} in {seconds:.0f} s"
+                + ("" if ok else f"; see {run_dir(study_dir, name)}/train.log"))
+            queue.refill()

@@ -15,7 +15,9 @@ that runs the study alone (each run one single-threaded process, ``workers`` at 
 cores). The target study's runs are then costed from their composed
 settings (steps, K, mini-batches, evaluation kind) and divided over its ``workers``, plus the base
 model's evaluation, which runs alone. The timings carry the machine and the contention of the
-measured study, so measure with the same ``workers`` on the machine the study will run on.
+measured study, so measure with the same ``workers`` on the machine the study will run on. A
+study that searches its sweeps (``sweeps.search``) is costed with the runs the search would add
+given the measured study's results, and every point those results cannot decide.
 """
 from __future__ import annotations
 
@@ -70,7 +72,8 @@ def measured_costs(timed_dir: str) -> Dict[str, float]:
 def estimate_minutes(cfg: StudyConfig, timed_dir: str) -> Dict[str, Any]:
     """Estimated wall minutes of the study `cfg` from the timings of the finished study in `timed_dir`."""
     costs = measured_costs(timed_dir)
-    plan = build_plan(cfg)
+    # A search follows the measured study's results; where it has none, the point is run (upper bound).
+    plan = build_plan(cfg, timed_dir, unknown_holds=True)
     composed = load_config(train_args(cfg))
     trainer, ev = composed.trainer, cfg.evaluation
     minis = math.ceil(trainer.prompts_per_step / (trainer.mini_batch_prompts or trainer.prompts_per_step))

@@ -1,2 +1,2 @@
-"""Shares the engine tests' warm-start cache fixture (the tiny base model is trained once)."""
-from tests.engine.conftest import warm_cache  # noqa: F401
+"""Shares the engine tests' warm-start cache and tiny-run fixtures (the tiny base model is trained once)."""
+from tests.engine.conftest import tiny_args, warm_cache  # noqa: F401

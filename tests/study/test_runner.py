@@ -123,3 +123,24 @@ def test_an_interrupted_study_reports_what_it_finished_and_its_cost_is_counted(t
     record_invocation(study_dir, 2.5, 0, runs_started=2, interrupted=True)
     record_invocation(study_dir, 4.0, 3)
     assert invocation_totals(study_dir) == {"total_wall_minutes": 6.5, "training_invocations": 2}
+
+
+def test_runs_a_refill_adds_start_before_the_remaining_ones(tmp_path, monkeypatch):
+    # A search adds runs once those it depends on are done: execute asks after each run ends and
+    # starts what is new first.
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    monkeypatch.setattr(runner, "TRAIN", str(script))
+    study_dir = str(tmp_path / "study")
+    first, rest, added = spec("quatro", 1), [spec("grpo", s) for s in (1, 2, 3)], spec("quatro", 1, "lr=2")
+    added = RunSpec(Setting("quatro", 1, 2.0), 1, added.overrides)
+
+    def refill():
+        return [first, *rest, added] if runner.is_done(runner.run_dir(study_dir, first.name), False) else [first, *rest]
+
+    messages = []
+    results = runner.execute([first, *rest], study_dir, ["config=config"], workers=1, log=messages.append,
+                             poll_s=0.05, refill=refill)
+    assert [r.name for r in results] == [first.name, added.name, *(r.name for r in rest)]
+    assert all(r.status == "done" for r in results)
+    assert messages[0].startswith("[study] 1/4 ") and messages[1].startswith("[study] 2/5 ")
