@@ -384,6 +384,11 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
               "One axis at a time from the default: inner loops K at the default learning rate, and learning-rate "
               "multipliers at K = 1. Each point uses its own seeds; 95% CI: t interval over them. 'clip frac': mean "
               "fraction of clipped ratios over training (methods that clip).", ""]
+    if study.cfg.sweeps.search:
+        lines += [f"The sweeps were searched (`sweeps.search`): a method's next K or multiplier ran only once its "
+                  f"previous one kept {study.cfg.sweeps.tolerance:.0%} of its default reward, so each method's rows end "
+                  "at the first point that did not (or at the grid's end). The claims compare two methods on the "
+                  "points both ran.", ""]
     lines += ["### Inner loops K", ""] + _sweep_lines(study, plan.sweep_inner, "K", 1)
     if "stability_inner_loops" in figures:
         lines += [f"![inner loops]({figures['stability_inner_loops']})", ""]
