@@ -85,7 +85,7 @@ def archive_runs(run_dirs: Dict[str, str], study_dir: str) -> int:
 def finished_rewards(cfg: StudyConfig, study_dir: str) -> RewardOf:
     """A run's final held-out reward at the claims' top-p (``evaluation.top_p[0]``) from its kept
     metrics (``<study_dir>/metrics``) or its run directory's study evaluation; None while neither
-    exists. What the learning-rate search (``plan.searched_points``) judges by."""
+    exists. What the sweeps' search (``plan.searched_points``) judges by."""
     top_p = float(cfg.evaluation.top_p[0])
     known: Dict[str, float] = {}
 
