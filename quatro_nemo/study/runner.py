@@ -192,16 +192,22 @@ def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], w
     env = dict(standalone_environment(), PYTHONUNBUFFERED="1")
     previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     server = None
+    started: Dict[str, float] = {}    # the runs going: when each started
     try:
         os.makedirs(study_dir, exist_ok=True)
         server = ForkServer(study_dir, env, list(base_args) if preload else None)
-        _loop(server, queue, results, study_dir, base_args, workers, log, poll_s, evaluation_args)
+        _loop(server, queue, started, results, study_dir, base_args, workers, log, poll_s, evaluation_args)
         server.close()
     except KeyboardInterrupt:
-        # SIGTERM makes a run checkpoint and exit 75: the next invocation resumes it.
+        # SIGTERM makes a run checkpoint and exit 75: the next invocation resumes it. A run past its
+        # training finishes instead: it counts as done here, like any other.
         if server is not None:
             server.terminate()
-            server.close()
+            for report in server.close():
+                result = _ended(report, started, study_dir, evaluation_args is not None)
+                if result.status == "done":
+                    results.append(result)
+                    log(f"[study] {result.name}: ok in {result.seconds:.0f} s (finished while the study stopped)")
         raise StudyInterrupted(results, runs_started=queue.started) from None
     finally:
         if previous is not None:
@@ -246,9 +252,16 @@ def _interrupt(signum, _frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _loop(server: ForkServer, queue: _Queue, results, study_dir, base_args, workers, log, poll_s,
-          evaluation_args) -> None:
-    started: Dict[str, float] = {}
+def _ended(report: Dict, started: Dict[str, float], study_dir: str, evaluated: bool) -> RunResult:
+    """The fork server's report that a run's process exited, as that run's result."""
+    name, code = report["finished"], report["code"]
+    seconds = time.time() - started.pop(name)
+    ok = code == 0 and is_done(run_dir(study_dir, name), evaluated)
+    return RunResult(name, "done" if ok else "failed", seconds, code, report["cpu"])
+
+
+def _loop(server: ForkServer, queue: _Queue, started: Dict[str, float], results, study_dir, base_args,
+          workers, log, poll_s, evaluation_args) -> None:
     while queue.pending or started:
         while queue.pending and len(started) < workers:
             spec = queue.pop()
@@ -261,12 +274,10 @@ def _loop(server: ForkServer, queue: _Queue, results, study_dir, base_args, work
             server.start(spec.name, command, log_path)
             started[spec.name] = time.time()
         for report in server.finished(timeout=poll_s):
-            name, code = report["finished"], report["code"]
-            seconds = time.time() - started.pop(name)
-            ok = code == 0 and is_done(run_dir(study_dir, name), evaluation_args is not None)
-            results.append(RunResult(name, "done" if ok else "failed", seconds, code, report["cpu"]))
-            finished = sum(r.status != "skipped" for r in results)
-            log(f"[study] {finished}/{finished + len(started) + len(queue.pending)} {name}: "
-                f"{'ok' if ok else f'FAILED (exit {code})'} in {seconds:.0f} s"
-                + ("" if ok else f"; see {run_dir(study_dir, name)}/train.log"))
+            result = _ended(report, started, study_dir, evaluation_args is not None)
+            results.append(result)
+            finished, ok = sum(r.status != "skipped" for r in results), result.status == "done"
+            log(f"[study] {finished}/{finished + len(started) + len(queue.pending)} {result.name}: "
+                f"{'ok' if ok else f'FAILED (exit {result.returncode})'} in {result.seconds:.0f} s"
+                + ("" if ok else f"; see {run_dir(study_dir, result.name)}/train.log"))
             queue.refill()

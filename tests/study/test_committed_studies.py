@@ -11,7 +11,7 @@ from .test_study_e2e import study
 STUDY_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "study_results"
 
 
-@pytest.mark.parametrize("name, min_runs", [("full", 200), ("adaptive", 100)])
+@pytest.mark.parametrize("name, min_runs", [("full", 150), ("adaptive", 100)])
 def test_report_only_on_the_committed_metrics_reproduces_the_committed_report(tmp_path, name, min_runs):
     committed = STUDY_RESULTS / name
     metrics = sorted((committed / "metrics").glob("*.jsonl.gz"))

@@ -16,8 +16,10 @@ STANDIN = textwrap.dedent('''
     run_dir = args["run.dir"]
     if args.get("fail") == "yes":
         sys.exit(3)
+    if args.get("finish_on_sigterm") == "yes":   # a run past its training: SIGTERM does not stop it
+        import signal; signal.signal(signal.SIGTERM, lambda *_: None)
     if args.get("slow") == "yes":
-        import time; time.sleep(60)
+        import time; time.sleep(60 if args.get("finish_on_sigterm") != "yes" else 6)
     with open(os.path.join(run_dir, "seen.json"), "w") as f:
         json.dump({"master_port": os.environ.get("MASTER_PORT"), "threads": os.environ.get("OMP_NUM_THREADS"),
                    "args": sys.argv[1:]}, f)
@@ -97,8 +99,8 @@ def test_invocations_total_the_wall_time_of_those_that_trained(tmp_path):
 
 def test_an_interrupted_study_reports_what_it_finished_and_its_cost_is_counted(tmp_path, monkeypatch):
     # SIGTERM while runs train: execute stops the runs and raises StudyInterrupted with the
-    # finished ones and how many it started; that invocation's wall time counts in the total
-    # even though it finished no run (the trainings it started resume next time).
+    # finished ones (a run that finishes while the study stops among them) and how many it started;
+    # that invocation's wall time counts in the total (the trainings it stopped resume next time).
     import signal
     import threading
 
@@ -108,15 +110,17 @@ def test_an_interrupted_study_reports_what_it_finished_and_its_cost_is_counted(t
     script.write_text(STANDIN)
     monkeypatch.setattr(runner, "TRAIN", str(script))
     study_dir = str(tmp_path / "study")
-    specs = [spec("quatro", 1), spec("gspo", 1, "slow=yes"), spec("grpo", 1, "slow=yes")]
+    specs = [spec("quatro", 1), spec("gspo", 1, "slow=yes"), spec("grpo", 1, "slow=yes", "finish_on_sigterm=yes")]
     timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
     timer.start()
     try:
         runner.execute(specs, study_dir, ["config=config"], workers=2, log=lambda m: None, poll_s=0.05)
         raise AssertionError("execute returned although SIGTERM arrived")
     except runner.StudyInterrupted as stop:
-        assert [r.name for r in stop.results] == [specs[0].name] and stop.results[0].status == "done"
+        assert [(r.name, r.status) for r in stop.results] == [(specs[0].name, "done"), (specs[2].name, "done")]
+        assert stop.results[1].seconds > 5 and stop.results[1].cpu_seconds > 0
         assert stop.runs_started == 3          # quatro finished, then gspo and grpo were training
+        assert not runner.is_trained(runner.run_dir(study_dir, specs[1].name))   # gspo was stopped
     finally:
         timer.cancel()
     assert signal.getsignal(signal.SIGTERM) is not runner._interrupt    # the handler is restored
@@ -132,8 +136,8 @@ def test_runs_a_refill_adds_start_before_the_remaining_ones(tmp_path, monkeypatc
     script.write_text(STANDIN)
     monkeypatch.setattr(runner, "TRAIN", str(script))
     study_dir = str(tmp_path / "study")
-    first, rest, added = spec("quatro", 1), [spec("grpo", s) for s in (1, 2, 3)], spec("quatro", 1, "lr=2")
-    added = RunSpec(Setting("quatro", 1, 2.0), 1, added.overrides)
+    first, rest = spec("quatro", 1), [spec("grpo", s) for s in (1, 2, 3)]
+    added = RunSpec(Setting("quatro", 1, 2.0), 1, ("algorithm=quatro", "run.seed=1", "lr=2"))
 
     def refill():
         return [first, *rest, added] if runner.is_done(runner.run_dir(study_dir, first.name), False) else [first, *rest]
