@@ -16,7 +16,6 @@ SIGUSR1/SIGTERM save a checkpoint at the next step boundary and exit with code 7
 rerunning the same command resumes from it (``exp_manager.resume_if_exists``), as
 ``slurm/quatro_aligner.sh`` does.
 """
-import sys
 from functools import partial
 
 import torch
@@ -48,7 +47,7 @@ from quatro_nemo.aligner.data import ProblemPromptDataset, collate_with_prompt_i
 from quatro_nemo.data.schema import read_problems
 from quatro_nemo.aligner.rewards import build_reward_client
 from quatro_nemo.aligner.trainer import QuatroReinforceTrainer
-from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
+from quatro_nemo.megatron.preemption import preemption_exits
 
 register_recipe_configs()
 
@@ -139,11 +138,10 @@ def main(cfg) -> None:
     if custom_trainer_state_dict is not None:
         quatro_trainer.load_state_dict(custom_trainer_state_dict)
     try:
-        quatro_trainer.fit()
-    except Preempted as exc:
-        # Inside main: Hydra's job runner would turn the exception into exit code 1.
-        logging.info(f"preempted: {exc}; checkpoint saved, exiting with {PREEMPTED_EXIT_CODE}")
-        sys.exit(PREEMPTED_EXIT_CODE)
+        # Preempted -> exit 75 (a SystemExit: inside main, Hydra's job runner would turn the
+        # exception itself into exit code 1).
+        with preemption_exits():
+            quatro_trainer.fit()
     finally:
         communicator = getattr(rm, "communicator", None)  # the remote client's PyTriton threads
         if communicator is not None:

@@ -26,7 +26,7 @@ from quatro_nemo.study.adaptive_report import write_adaptive_report
 from quatro_nemo.study.plan import (Defaults, RewardOf, RunSpec, StudyPlan, build_paper_plan, read_defaults, sweep_line,
                                     sweep_lines, train_args)
 from quatro_nemo.study.report import write_study_report
-from quatro_nemo.study.runner import RunResult, StudyInterrupted, execute, is_done, is_trained, prewarm, run_dir
+from quatro_nemo.study.runner import RunResult, StudyInterrupted, execute, is_done, is_trained, run_dir
 
 
 def evaluation_args(cfg: StudyConfig, full: bool) -> List[str]:
@@ -172,8 +172,8 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
     log(f"[study] {cfg.name}: {len(plan.runs)} runs, {len(plan.runs) - len(pending)} already done; "
         f"output {out_dir}")
     os.makedirs(out_dir, exist_ok=True)
-    if pending:
-        prewarm(base)   # the warm-start cache once, not in every concurrent run
+    # The warm-start cache is built once, here by the base evaluation or else by the fork server's
+    # preload (execute(preload=True)), before any run is forked: never by concurrent runs.
     ensure_base_evaluation(cfg, out_dir, log)
     runs = sorted(plan.runs.values(), key=lambda spec: start_order(plan, spec))
     try:

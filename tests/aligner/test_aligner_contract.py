@@ -53,3 +53,22 @@ def test_actor_mro_keeps_nemo_bases():
     names = [cls.__name__ for cls in QuatroReinforceActor.__mro__]
     assert names.index("MegatronGPTReinforceActorModel") < names.index("NLPAdapterModelMixin") \
         < names.index("MegatronGPTModel")
+
+
+def test_the_aligner_recipe_imports_and_exits_75_when_preempted(monkeypatch):
+    # The recipe runs only in the NeMo-Aligner container on GPUs; here its module must at least
+    # import against the real NeMo-Aligner, and its training call sit inside the preemption exit.
+    import importlib.util
+    from pathlib import Path
+
+    from quatro_nemo.megatron.preemption import PREEMPTED_EXIT_CODE, Preempted
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / "train_quatro_aligner.py"
+    spec = importlib.util.spec_from_file_location("train_quatro_aligner", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    assert "with preemption_exits():\n            quatro_trainer.fit()" in inspect.getsource(recipe.main)
+    with pytest.raises(SystemExit) as stop:
+        with recipe.preemption_exits():
+            raise Preempted("SIGUSR1")
+    assert stop.value.code == PREEMPTED_EXIT_CODE == 75

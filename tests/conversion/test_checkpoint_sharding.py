@@ -6,7 +6,6 @@ shows the load did the work.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch

@@ -70,8 +70,6 @@ def _training_batch(rank: int):
 
 
 def _rank(rank: int, tensor_parallel: int, distributed_optimizer: bool, params_dtype: str, out: str) -> None:
-    import torch
-
     from quatro_nemo.algos import get_algorithm
     from quatro_nemo.megatron import training
     from quatro_nemo.megatron.forward import train_step_forward_backward

@@ -1,5 +1,4 @@
 """Pure pieces of the training loop: data position, data-parallel slots."""
-import torch
 
 from quatro_nemo.engine.loop import local_prompt_slots, step_prompt_indices
 

@@ -11,7 +11,6 @@ Which training entry point the jobs run (QUATRO_SLURM_TEST_RECIPE):
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re

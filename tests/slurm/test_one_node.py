@@ -31,7 +31,7 @@ SWEEP_SETS = [  # one array task each; the seed makes every task's metrics diffe
 
 def local_resources(log_dir: Path, ntasks: int) -> list:
     """sbatch flags that fit the template's H100 request onto this one small node."""
-    return [f"--nodes=1", f"--ntasks-per-node={ntasks}", "--gpus-per-node=1", "--cpus-per-task=1",
+    return ["--nodes=1", f"--ntasks-per-node={ntasks}", "--gpus-per-node=1", "--cpus-per-task=1",
             "--mem=1500M", "--time=20", f"--output={log_dir}/%x-%j.out"]
 
 

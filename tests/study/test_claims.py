@@ -5,7 +5,6 @@ import math
 import os
 import zlib
 
-import numpy as np
 import pytest
 
 from quatro_nemo.study.analysis import (BASE, EVAL_KIND, Study, advantage_table, archive_path, breaking_point,
