@@ -18,7 +18,8 @@ from quatro_nemo.data.schema import iter_jsonl
 from quatro_nemo.engine.config import load_config
 from quatro_nemo.engine.logging import read_metrics
 from quatro_nemo.study.analysis import (BASE, EVAL_KIND, Study, advantage_table, archive_path, evaluate_claims,
-                                        load_base, load_runs, read_archive, write_archive)
+                                        load_base, load_runs, read_archive, run_from_records,
+                                        write_archive)
 from quatro_nemo.study.config import QUATRO, StudyConfig
 from quatro_nemo.study.evaluation import STUDY_EVAL, evaluate_base
 from quatro_nemo.study.adaptive import build_adaptive_plan
@@ -94,10 +95,11 @@ def finished_rewards(cfg: StudyConfig, study_dir: str) -> RewardOf:
             archive, evaluation = archive_path(study_dir, spec.name), os.path.join(run_dir(study_dir, spec.name), STUDY_EVAL)
             records = (read_archive(archive) if os.path.isfile(archive) else
                        [r for _, r in iter_jsonl(evaluation)] if os.path.isfile(evaluation) else [])
-            rewards = [r["reward/mean"] for r in records if r.get("kind") == EVAL_KIND and r.get("top_p") == top_p]
-            if not rewards:
+            run = run_from_records(spec.name, records)     # None: no study evaluation yet
+            final = None if run is None else run.final(top_p)
+            if final is None:
                 return None
-            known[spec.name] = rewards[-1]
+            known[spec.name] = final["reward/mean"]
         return known[spec.name]
     return reward_of
 
