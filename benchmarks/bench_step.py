@@ -98,7 +98,7 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
     def prepare():
         policy = build_model(model_cfg)
         load_full_state_dict(policy, initial_state)
-        backend = MegatronRolloutBackend(policy, eos_id=1, pad_id=0)
+        backend = MegatronRolloutBackend(policy, stop_token_ids=[1], pad_id=0)
         policy_ddp, optimizer = build_training_state(policy, trainer, scale.distributed_optimizer)
         state.update(policy=policy, policy_ddp=policy_ddp, optimizer=optimizer, backend=backend)
 

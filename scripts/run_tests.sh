@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The project's one test command (README and .ci/run call it): installs what the tests need,
-# runs the main suite in .venv, then builds (or reuses) the NeMo-Aligner environment
-# .venv-aligner and runs tests/aligner in it (scripts/test_aligner.sh, docs/aligner.md). Exit 0
-# only if both suites pass; their closing pytest lines are repeated at the end.
+# runs the main suite in .venv, then builds (or reuses) the real-vLLM environment .venv-vllm and
+# runs tests/vllm in it (scripts/setup_vllm_env.sh: vLLM's CPU build through recipes/train.py),
+# then the NeMo-Aligner environment .venv-aligner and tests/aligner in it
+# (scripts/test_aligner.sh, docs/aligner.md). Exit 0 only if every suite passes; their closing
+# pytest lines are repeated at the end.
 # Extra arguments go to the main suite's pytest, and then only the main suite runs (the aligner
 # suite alone: bash scripts/test_aligner.sh [pytest arguments]).
 set -euo pipefail
@@ -28,12 +30,19 @@ if [ $# -gt 0 ]; then
     exit "$main_rc"
 fi
 
+vllm_start=$SECONDS
+vllm_rc=0
+{ bash scripts/setup_vllm_env.sh && .venv-vllm/bin/python -m pytest tests/vllm; } 2>&1 | tee "$logs/vllm" || vllm_rc=$?
+vllm_seconds=$((SECONDS - vllm_start))
+
 aligner_start=$SECONDS
 aligner_rc=0
 bash scripts/test_aligner.sh 2>&1 | tee "$logs/aligner" || aligner_rc=$?
 aligner_seconds=$((SECONDS - aligner_start))
 
 echo "run_tests.sh: main suite (.venv):            $(tail -n 1 "$logs/main") exit $main_rc"
+echo "run_tests.sh: real-vLLM suite (.venv-vllm):  $(tail -n 1 "$logs/vllm") exit $vllm_rc" \
+     "(${vllm_seconds} s with the environment build/check)"
 echo "run_tests.sh: aligner suite (.venv-aligner): $(tail -n 1 "$logs/aligner") exit $aligner_rc" \
      "(${aligner_seconds} s with the environment build/check)"
-[ "$main_rc" -eq 0 ] && [ "$aligner_rc" -eq 0 ]
+[ "$main_rc" -eq 0 ] && [ "$vllm_rc" -eq 0 ] && [ "$aligner_rc" -eq 0 ]

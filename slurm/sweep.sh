@@ -51,7 +51,7 @@ for set_line in "${sets[@]}"; do
 done
 
 name=${name:-$(basename "$sweep_file" .txt)}
-sweep_dir=${QUATRO_RUNS_DIR:-$QUATRO_ROOT/runs}/sweeps/$name-$(date -u +%Y%m%d-%H%M%S)
+sweep_dir=$(quatro_runs_dir)/sweeps/$name-$(date -u +%Y%m%d-%H%M%S)
 mkdir -p "$sweep_dir"
 sweep_dir=$(cd "$sweep_dir" && pwd)
 cp "$sweep_file" "$sweep_dir/sweep.txt"

@@ -36,10 +36,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from quatro_nemo.algos import ALGORITHMS, AlgorithmConfig, build_algorithm
+from quatro_nemo.algos.importance import ImportanceCorrection
 from quatro_nemo.algos.schema import algorithm_schema, register_algorithm_schemas
 from quatro_nemo.engine.memory_plan import (ClusterConfig, MemoryPlan, PlanError, ScaleConfig, VllmConfig,
                                            plan_from_sections)
-from quatro_nemo.engine.task import TASK_SCHEMAS, register_task_schemas
+from quatro_nemo.engine.task import TASK_SCHEMAS, register_task_schemas, task_vocab_size
 from quatro_nemo.engine.warmstart import WarmStartConfig
 from quatro_nemo.megatron.models import ModelConfig
 
@@ -137,9 +138,21 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32        # maximum response length in tokens
+    # Truncated importance sampling between the engine's sampling policy and pi_old (vllm only;
+    # quatro_nemo.algos.importance, docs/quatro-math.md Sec. 8): none | token | sequence, and the cap C.
+    importance_correction: str = "none"
+    importance_cap: float = 2.0
 
     def __post_init__(self) -> None:
         _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.importance_cap", self.importance_cap)
+        choices = [mode.value for mode in ImportanceCorrection]
+        if self.importance_correction not in choices:
+            raise ConfigError(f"rollout.importance_correction must be one of {choices}, got "
+                              f"{self.importance_correction!r}")
+        if self.importance_correction != "none" and self.backend != "vllm":
+            raise ConfigError("rollout.importance_correction needs rollout.backend=vllm (the megatron backend "
+                              "samples from the trained model itself: there is no gap to correct)")
         _positive("rollout.temperature", self.temperature)
         if self.n < 2:
             raise ConfigError(f"rollout.n must be >= 2 (a group needs several responses), got {self.n}")
@@ -289,14 +302,23 @@ def validate(cfg: DictConfig) -> ExperimentConfig:
 
 
 def memory_plan(c: ExperimentConfig) -> MemoryPlan:
-    """The per-GPU memory and throughput plan of a run (raises PlanError if it cannot fit)."""
+    """The per-GPU memory and throughput plan of a run (raises PlanError if it cannot fit); a null
+    ``model.vocab_size`` is the task's (:func:`quatro_nemo.engine.task.task_vocab_size`), as in training."""
+    model = c.model
+    if not model.vocab_size:
+        try:
+            model = dataclasses.replace(model, vocab_size=task_vocab_size(c.task))
+        except ValueError as exc:
+            raise PlanError(str(exc)) from exc
     return plan_from_sections(*(dataclasses.asdict(section) for section in (
-        c.model, c.parallel, c.trainer, c.rollout, c.algorithm, c.cluster, c.scale, c.vllm)))
+        model, c.parallel, c.trainer, c.rollout, c.algorithm, c.cluster, c.scale, c.vllm)))
 
 
 def _check_cluster_plan(c: ExperimentConfig) -> None:
-    """Cluster runs (vLLM rollouts): refuse layouts that cannot fit before any GPU is touched."""
-    if c.rollout.backend != "vllm":
+    """Cluster runs (vLLM rollouts): refuse layouts that cannot fit before any GPU is touched. A
+    run on the CPU (``trainer.device=cpu``: vLLM's CPU build, config=cpu_vllm) is not planned
+    against the ``cluster:`` GPUs."""
+    if c.rollout.backend != "vllm" or c.trainer.device == "cpu":
         return
     try:
         memory_plan(c)

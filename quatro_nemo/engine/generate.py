@@ -42,7 +42,7 @@ def generate_samples(checkpoint: str, problems: Sequence[Dict[str, Any]], num_sa
     task = build_task(cfg)
     model = build_model(task.model_config(cfg.model))
     ckpt.load_model_weights(run_dir, step, model)   # any training layout loads into TP=1, PP=1
-    backend = MegatronRolloutBackend(model, eos_id=task.eos_id, pad_id=task.pad_id)
+    backend = MegatronRolloutBackend(model, stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     with torch.no_grad():
         _, responses = task.sample(backend, problems, range(len(problems)), num_samples, params)

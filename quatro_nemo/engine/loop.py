@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 
 from quatro_nemo.algos import QuatroConfig, ShapedGroups, get_algorithm
 from quatro_nemo.algos.adaptive_delta import DeltaController, achieved_kl
+from quatro_nemo.algos.importance import ImportanceCorrection, truncated_importance_weights
 from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy
@@ -129,6 +130,40 @@ def slice_batch(batch: Dict[str, torch.Tensor], rows: slice) -> Dict[str, torch.
     return {key: value[rows] for key, value in batch.items()}
 
 
+def engine_gap_metrics(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor,
+                       response_mask: torch.Tensor) -> Dict[str, float]:
+    """How far the rollout engine's sampling distribution is from the policy the trainer
+    computes (verl's rollout/trainer probability gap, NeMo-RL's token probability error), over
+    every sampled token of the step (all DP ranks; identical on every rank).
+
+    Args:
+        engine_logprobs: [S, T] the engine's log pi(o_t) of each sampled token (temperature 1).
+        trainer_logprobs: [S, T] Megatron's recomputed log pi_old(o_t) of the same tokens.
+        response_mask: [S, T] 1 on sampled tokens.
+
+    Returns ``engine_gap/token_abs_mean`` and ``/token_abs_max`` (|log pi_trainer - log pi_engine|
+    per token), ``/seq_log_ratio_abs_mean`` (|sum_t (log pi_trainer - log pi_engine)| per
+    sequence) and ``/seq_ratio_mean`` (the sequence importance ratio pi_trainer(o) / pi_engine(o)).
+    """
+    from quatro_nemo.megatron.loss import reduce_metrics
+
+    mask = response_mask.to(trainer_logprobs.device).float()
+    diff = (trainer_logprobs.float() - engine_logprobs.to(trainer_logprobs.device).float()) * mask
+    sequence_log_ratio = diff.sum(dim=-1)
+    has_tokens = (mask.sum(dim=-1) > 0).float()
+    shares = reduce_metrics([{
+        "abs_sum": diff.abs().sum(), "tokens": mask.sum(),
+        "token_abs/max": diff.abs().max() if diff.numel() else diff.new_zeros(()),
+        "seq_abs_sum": (sequence_log_ratio.abs() * has_tokens).sum(),
+        "seq_ratio_sum": (sequence_log_ratio.exp() * has_tokens).sum(), "sequences": has_tokens.sum(),
+    }])
+    tokens, sequences = max(shares["tokens"], 1.0), max(shares["sequences"], 1.0)
+    return {"engine_gap/token_abs_mean": shares["abs_sum"] / tokens,
+            "engine_gap/token_abs_max": shares["token_abs/max"],
+            "engine_gap/seq_log_ratio_abs_mean": shares["seq_abs_sum"] / sequences,
+            "engine_gap/seq_ratio_mean": shares["seq_ratio_sum"] / sequences}
+
+
 # --------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------
@@ -186,6 +221,7 @@ class RolloutLearning:
     old_entropy: torch.Tensor
     t_logprobs: float
     policy_shift: Any = None
+    engine_gap: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
@@ -214,6 +250,14 @@ def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, referenc
         batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, batching)
         if reference is not None:
             batch["ref_logprobs"], _ = compute_logprobs(reference, batch, batching)
+    engine_gap = ({} if rollout.engine_logprobs is None else
+                  engine_gap_metrics(rollout.engine_logprobs, batch["old_logprobs"], rollout.response_mask))
+    correction = ImportanceCorrection(cfg.rollout.importance_correction)
+    if rollout.engine_logprobs is not None and correction != ImportanceCorrection.NONE:
+        device = batch["old_logprobs"].device
+        batch["is_weights"] = truncated_importance_weights(
+            batch["old_logprobs"], rollout.engine_logprobs.to(device), rollout.response_mask.to(device),
+            correction, cfg.rollout.importance_cap)
     t_logprobs = time.perf_counter()
 
     # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
@@ -227,7 +271,7 @@ def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, referenc
         with torch.no_grad():
             new_logprobs, _ = compute_logprobs(policy, batch, batching)
         policy_shift = ((new_logprobs - batch["old_logprobs"]) * batch["response_mask"]).sum(dim=-1)
-    return RolloutLearning(advantage_out, update_metrics, old_entropy, t_logprobs, policy_shift)
+    return RolloutLearning(advantage_out, update_metrics, old_entropy, t_logprobs, policy_shift, engine_gap)
 
 
 def train(cfg: ExperimentConfig) -> Dict[str, Any]:
@@ -271,8 +315,10 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         reference = build_model(model_cfg)
         reference.load_state_dict(policy.state_dict())  # pi_ref: the base policy
         reference.requires_grad_(False)
-    # A colocated rollout engine needs the device memory the optimizer state and gradients hold.
-    offload_in_rollout = scale.offload_optimizer_in_rollout and rollout_cfg.backend == "vllm"
+    # A colocated rollout engine needs the device memory the optimizer state and gradients hold:
+    # the backend moves them to the host around each of its sampling calls (rollouts, evaluation).
+    if scale.offload_optimizer_in_rollout and rollout_cfg.backend == "vllm":
+        backend.manage_training_state(policy_ddp, optimizer)
 
     # QUATRO's adaptive-delta controller (None: the paper's fixed delta); its state is in the checkpoint.
     delta_controller = DeltaController.from_config(cfg.algorithm) if isinstance(cfg.algorithm, QuatroConfig) else None
@@ -320,11 +366,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         params = SamplingParams(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                                 max_new_tokens=rollout_cfg.max_new_tokens,
                                 seed=derive_seed(cfg.run.seed, "rollout", step))
-        if offload_in_rollout:
-            training.offload_training_state(policy_ddp, optimizer)
         rollout, responses = task.sample(backend, problems, slots, rollout_cfg.n, params)
-        if offload_in_rollout:
-            training.reload_training_state(policy_ddp, optimizer)
         t_rollout = time.perf_counter()
 
         # 3. Rewards [B_local, N] -> global [B, N] (advantage estimators may use batch statistics).
@@ -346,6 +388,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
 
         # 7. Metrics (identical on every rank), checkpoint, evaluation.
         metrics = _step_metrics(rewards, advantage_out.metrics, update_metrics, rollout, old_entropy)
+        metrics.update(learned.engine_gap)
         if delta_controller is not None:  # the next step's radius, from this step's achieved KL
             shift = global_rewards(learned.policy_shift.view(len(problems), rollout_cfg.n).double(),
                                    batch_size, mini_batch_size)

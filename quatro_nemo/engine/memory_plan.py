@@ -112,6 +112,10 @@ class VllmConfig:
 
     tensor_parallel: int = 1
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may take while sampling
+    # The KV cache's size in GB, set explicitly (vLLM's kv_cache_memory_bytes); None: what
+    # gpu_memory_utilization leaves after the weights. vLLM's CPU build needs it: it sizes its KV
+    # cache from the machine's memory less the whole process's resident memory, the trainer's included.
+    kv_cache_memory_gb: Optional[float] = None
     sleep_between_phases: bool = True    # vLLM sleep mode: weights/KV cache freed while training
     activation_reserve_gb: float = 2.0   # vLLM's forward activations and sampler buffers
     max_num_seqs: int = 256              # vLLM's scheduler cap on concurrent sequences
@@ -594,7 +598,14 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: Sc
     reference = per_gpu * m.bytes_per_param if (work.uses_reference and reference_on_device) else 0.0
     reserve = cluster.reserve_gb * GB if on_gpu else 0.0
     memory = cluster.gpu_memory_gb * GB
-    vllm_budget = vllm.gpu_memory_utilization * memory if uses_vllm else 0.0
+    engine_parameters = total + (m.vocab_size * m.hidden_size if m.tie_embeddings else 0)
+    vllm_weights = engine_parameters * m.bytes_per_param / vllm.tensor_parallel
+    if not uses_vllm:
+        vllm_budget = 0.0
+    elif vllm.kv_cache_memory_gb is not None:   # weights + the KV cache asked for + activations
+        vllm_budget = vllm_weights + (vllm.kv_cache_memory_gb + vllm.activation_reserve_gb) * GB
+    else:
+        vllm_budget = vllm.gpu_memory_utilization * memory
     vllm_while_training = 0.0 if vllm.sleep_between_phases else vllm_budget
     train_peak = (training_state + reference + vllm_while_training
                   + max(activations + logits, step_transient))
@@ -606,8 +617,9 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: Sc
     resident = (state["weights"] if offloaded else training_state) + reference + reserve
     push = (3 if tp > 1 else 2) * largest_full_tensor_elements(m) * m.bytes_per_param if uses_vllm else 0.0
 
-    # vLLM engine: full bf16 weights split over its TP ranks, then KV cache.
-    vllm_weights = total * 2 / vllm.tensor_parallel
+    # vLLM engine: full weights in the model's dtype split over its TP ranks (vllm_weights above: its
+    # output layer is its own even for tied embeddings, quatro_nemo.engine.vllm_backend.write_engine_model_dir),
+    # then KV cache.
     rollout_phase = resident + max(vllm_budget, vllm_weights + push) if uses_vllm else 0.0
     kv_heads_per_rank = max(1, m.num_query_groups // vllm.tensor_parallel)
     kv_bytes_per_token = 2 * m.num_layers * kv_heads_per_rank * m.head_dim * 2

@@ -33,12 +33,16 @@ class RolloutBatch:
     """A grouped rollout of ``num_prompts * num_samples`` rows (this rank's prompts).
 
     ``sample`` holds the token tensors of ``docs/interfaces.md`` (``tokens``, ``response_mask``,
-    the sampler's ``logprobs``, lengths, ``finished``).
+    the sampler's ``logprobs``, lengths, ``finished``). ``engine_logprobs`` [S, L-1]: where the
+    sampling engine is not the trained model itself (vLLM), its log pi(token) of each sampled
+    token at temperature 1, aligned like ``response_mask``: what the trainer's recomputed log-probs
+    are compared with (:func:`quatro_nemo.engine.loop.engine_gap_metrics`); None otherwise.
     """
 
     sample: SampleOutput
     num_prompts: int
     num_samples: int
+    engine_logprobs: Optional[torch.Tensor] = None
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -98,9 +102,9 @@ def global_sequence_ids(first_prompt_index: int, num_prompts: int, num_samples: 
 class MegatronRolloutBackend:
     """Samples with the training model itself (megatron-core, KV cache, any TP/PP/DP layout)."""
 
-    def __init__(self, model, eos_id: int, pad_id: int):
+    def __init__(self, model, stop_token_ids: Sequence[int], pad_id: int):
         self.model = model
-        self.eos_id = eos_id
+        self.stop_token_ids = tuple(stop_token_ids)
         self.pad_id = pad_id
 
     def generate(self, prompts: Sequence[Sequence[int]], num_samples: int, params: SamplingParams,
@@ -109,7 +113,7 @@ class MegatronRolloutBackend:
             raise ValueError(f"num_samples={num_samples} must be >= 1")
         rows = [list(prompt) for prompt in prompts for _ in range(num_samples)]
         sample = generate(
-            self.model, rows, params, eos_id=self.eos_id, pad_id=self.pad_id,
+            self.model, rows, params, stop_token_ids=self.stop_token_ids, pad_id=self.pad_id,
             sequence_ids=global_sequence_ids(first_prompt_index, len(prompts), num_samples, prompt_indices),
         )
         return RolloutBatch(sample=sample, num_prompts=len(prompts), num_samples=num_samples)

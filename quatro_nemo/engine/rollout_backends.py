@@ -17,11 +17,11 @@ BACKENDS = ("megatron", "vllm")
 def build_rollout_backend(cfg: "ExperimentConfig", model, model_config, task) -> RolloutBackend:
     """The backend ``cfg.rollout.backend`` names, built for the policy ``model`` (this rank's
     stage), its ``model_config`` (:class:`~quatro_nemo.megatron.models.ModelConfig`) and the
-    ``task`` (:class:`~quatro_nemo.engine.task.Task`: EOS and pad tokens)."""
+    ``task`` (:class:`~quatro_nemo.engine.task.Task`: end and pad tokens)."""
     name = cfg.rollout.backend
     if name == "megatron":
-        return MegatronRolloutBackend(model, eos_id=task.eos_id, pad_id=task.pad_id)
+        return MegatronRolloutBackend(model, stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
     if name == "vllm":
         return VllmRolloutBackend(model, model_config, engine=cfg.vllm,
-                                  eos_id=task.eos_id, pad_id=task.pad_id)
+                                  stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
     raise ValueError(f"rollout.backend={name!r}: choose one of {list(BACKENDS)}")

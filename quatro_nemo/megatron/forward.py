@@ -49,7 +49,7 @@ from quatro_nemo.megatron.loss import (
 )
 
 TRAIN_KEYS = ("tokens", "position_ids", "response_mask", "old_logprobs", "advantages")
-OPTIONAL_TRAIN_KEYS = ("ref_logprobs",)
+OPTIONAL_TRAIN_KEYS = ("ref_logprobs", "is_weights")
 LOGPROB_KEYS = ("tokens", "position_ids")
 
 
@@ -205,7 +205,7 @@ def train_step_forward_backward(
 
     Args:
         model: this rank's model stage in megatron's DDP (:func:`training.wrap_for_training`).
-        batch: this DP rank's rows (``TRAIN_KEYS``, optionally ``ref_logprobs``).
+        batch: this DP rank's rows (``TRAIN_KEYS``, optionally ``OPTIONAL_TRAIN_KEYS``).
         policy_loss: the algorithm's loss function (``AlgorithmSpec.policy_loss``).
         algo_config: that loss's typed config.
         batching: a :class:`MicroBatching` (rows, or a token budget), or rows per micro-batch.

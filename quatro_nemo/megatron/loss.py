@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from quatro_nemo.algos.aggregation import LossNormalizer, count_sequences, count_tokens
+from quatro_nemo.algos.importance import importance_weighted_logprobs
 from quatro_nemo.megatron import parallel
 
 LOSS_KEY = "loss"
@@ -53,7 +54,9 @@ def make_loss_func(
 
     ``policy_loss`` has the registry signature of ``docs/interfaces.md``. The closure maps the
     model's vocab-parallel logits ``[s, w, V/TP]`` (or ``[1, total, V/TP]`` when packed) to
-    TP-complete log-probs and entropies in the micro-batch's row layout, applies the loss and
+    TP-complete log-probs and entropies in the micro-batch's row layout (with ``is_weights``, the
+    truncated importance weights of :mod:`quatro_nemo.algos.importance`, scaling their gradients),
+    applies the loss and
     returns ``(loss, 1, metrics)``: megatron's three-tuple form, whose middle count
     megatron only accumulates under ``calculate_per_token_loss`` (see the module docstring).
     ``metrics`` holds detached 0-dim tensors, with the micro-batch's loss share under ``"loss"``.
@@ -62,6 +65,8 @@ def make_loss_func(
 
     def loss_func(logits: torch.Tensor):
         logprobs, entropy = micro_batch_logprobs_and_entropy(logits, micro_batch)
+        if "is_weights" in micro_batch:  # truncated importance sampling: gradients scaled, values kept
+            logprobs = importance_weighted_logprobs(logprobs, micro_batch["is_weights"])
         loss, metrics = policy_loss(
             logprobs,
             micro_batch["old_logprobs"],

@@ -178,7 +178,7 @@ def generate(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams,
     *,
-    eos_id: int,
+    stop_token_ids: Sequence[int],
     pad_id: int,
     sequence_ids: Optional[Sequence[int]] = None,
 ) -> SampleOutput:
@@ -189,7 +189,9 @@ def generate(
         prompts: this rank's prompts as token ids (with BOS), one row per sequence to generate.
             Repeat a prompt N times for N responses.
         params: temperature, top-p, max new tokens, seed.
-        eos_id, pad_id: stop token and right-padding token.
+        stop_token_ids: the tokens that end a response (every end token of the checkpoint: a
+            Qwen2.5 base model ends with ``<|endoftext|>`` or ``<|im_end|>``); ``pad_id``: the
+            right-padding token.
         sequence_ids: the global index of each row (e.g. ``dp_rank * S + i``); the randomness of
             row i depends only on ``(params.seed, sequence_ids[i])``. Default ``0 .. S-1``.
 
@@ -218,6 +220,9 @@ def generate(
             f"max_position_embeddings={max_positions}"
         )
 
+    if not stop_token_ids:
+        raise ValueError("generate(): stop_token_ids is empty (a response needs an end token)")
+    stops = torch.tensor(sorted(set(int(t) for t in stop_token_ids)), dtype=torch.long)
     device = current_device()
     tokens = torch.full((num_rows, total_length), pad_id, dtype=torch.long)
     for row, prompt in enumerate(prompts):
@@ -249,7 +254,7 @@ def generate(
                 new_tokens = torch.where(in_prompt, tokens[:, position], torch.where(generating, sampled, pad_id))
                 logprobs[:, position - 1] = torch.where(generating, sampled_logprobs, 0.0)
             tokens[:, position] = _broadcast_from_last_stage(new_tokens.to(device)).cpu()
-            finished |= generating & (tokens[:, position] == eos_id)
+            finished |= generating & torch.isin(tokens[:, position], stops)
             if bool(((position + 1 >= end) | finished).all()):
                 break
             step_input = slice(position, position + 1)
@@ -261,7 +266,7 @@ def generate(
     response_lengths = torch.zeros(num_rows, dtype=torch.long)
     for row in range(num_rows):
         response = tokens[row, int(prompt_lengths[row]): int(end[row])]
-        stop = (response == eos_id).nonzero()
+        stop = torch.isin(response, stops).nonzero()
         response_lengths[row] = int(stop[0]) + 1 if len(stop) else len(response)
     length = int((prompt_lengths + response_lengths).max())
     index = torch.arange(length - 1).unsqueeze(0)

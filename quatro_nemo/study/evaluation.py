@@ -62,7 +62,7 @@ def evaluate_model(policy, task, cfg_for, top_ps: Sequence[float], step: int) ->
     from quatro_nemo.engine.rollout import MegatronRolloutBackend
 
     policy.eval()
-    backend = MegatronRolloutBackend(policy, eos_id=task.eos_id, pad_id=task.pad_id)
+    backend = MegatronRolloutBackend(policy, stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
     records = []
     for top_p in top_ps:
         cfg = cfg_for(top_p)

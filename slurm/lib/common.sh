@@ -26,7 +26,8 @@
 #
 # Environment (all optional):
 #   QUATRO_ROOT             repository root (default: the submit directory)
-#   QUATRO_RUNS_DIR         where default run directories go (default: $QUATRO_ROOT/runs)
+#   QUATRO_RUNS_DIR         where default run directories go (default: $SCRATCH/quatro-nemo/runs where the
+#                           cluster sets SCRATCH, else $QUATRO_ROOT/runs; a 7B checkpoint is ~107 GB)
 #   QUATRO_CONTAINER_IMAGE  container image for pyxis/enroot (e.g. a .sqsh file or registry#image)
 #   QUATRO_CONTAINER_MOUNTS extra mounts SRC:DST[,SRC:DST...] (data, checkpoints, HF cache)
 #   QUATRO_CONTAINER_PYTHON python inside the container (default: python)
@@ -37,8 +38,12 @@
 #   QUATRO_DIST_TIMEOUT_MIN minutes a collective may wait before the ranks abort (default: 30; torch's
 #                           own is 10, shorter than a sharded checkpoint save on a busy filesystem)
 #   QUATRO_CACHE_DIR        per-job compile caches, node-local (default: ${TMPDIR:-/tmp}/quatro-<job id>);
-#                           launch.sh puts each rank's TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR and
-#                           VLLM_CACHE_ROOT under it unless they are set
+#                           launch.sh puts each rank's TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR,
+#                           VLLM_CACHE_ROOT, XDG_CACHE_HOME, XDG_CONFIG_HOME, CUDA_CACHE_PATH and
+#                           FLASHINFER_WORKSPACE_BASE under it unless they are set (and HOME when it
+#                           is not writable: the container does not mount it)
+#   GLOO_SOCKET_IFNAME      the interface of megatron's and vLLM's Gloo groups (default: NCCL_SOCKET_IFNAME)
+#   VLLM_NO_USAGE_STATS, HF_HUB_OFFLINE  default 1: no usage reports, no hub downloads from the ranks
 #   NCCL_IB_TIMEOUT, NCCL_IB_RETRY_CNT   InfiniBand verbs timeout exponent and retries (defaults 22, 7:
 #                           ~17 s per attempt, for congested fabrics); NCCL_SOCKET_IFNAME, NCCL_IB_HCA
 #                           and other fabric settings pass through from the environment or template
@@ -152,13 +157,21 @@ quatro_export_comm_defaults() {
     export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}
     # Compile caches per job on node-local disk, not in a $HOME shared by every rank of every node.
     export QUATRO_CACHE_DIR=${QUATRO_CACHE_DIR:-${TMPDIR:-/tmp}/quatro-$SLURM_JOB_ID}
+    # megatron and vLLM build Gloo groups over all ranks: the same interface as NCCL's.
+    if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
+        export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}
+    fi
+    # Compute nodes report nothing and download nothing (weights and tokenizers are on disk).
+    export VLLM_NO_USAGE_STATS=${VLLM_NO_USAGE_STATS:-1}
+    export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 }
 
 # Sets QUATRO_SRUN_ARGS: srun's flags for the ranks (labelled output, no kill on the first exit,
-# QUATRO_RANK_EXIT_WAIT_S for the others, and the job's --cpus-per-task, which srun of SLURM
-# 22.05-23.02 does not inherit from sbatch).
+# QUATRO_RANK_EXIT_WAIT_S for the others, block distribution: consecutive ranks on one node, which
+# megatron's tensor-parallel groups and vLLM's engines assume; and the job's --cpus-per-task, which
+# srun of SLURM 22.05-23.02 does not inherit from sbatch).
 quatro_srun_args() {
-    QUATRO_SRUN_ARGS=(--label --kill-on-bad-exit=0 "--wait=${QUATRO_RANK_EXIT_WAIT_S:-600}")
+    QUATRO_SRUN_ARGS=(--label --kill-on-bad-exit=0 "--wait=${QUATRO_RANK_EXIT_WAIT_S:-600}" --distribution=block)
     if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
         QUATRO_SRUN_ARGS+=("--cpus-per-task=$SLURM_CPUS_PER_TASK")
     fi
@@ -184,13 +197,24 @@ quatro_container_args() {
     export QUATRO_PYTHON=${QUATRO_CONTAINER_PYTHON:-python}
 }
 
+# quatro_runs_dir: where run directories go by default (QUATRO_RUNS_DIR, else scratch, else the checkout).
+quatro_runs_dir() {
+    if [ -n "${QUATRO_RUNS_DIR:-}" ]; then
+        echo "$QUATRO_RUNS_DIR"
+    elif [ -n "${SCRATCH:-}" ]; then
+        echo "$SCRATCH/quatro-nemo/runs"
+    else
+        echo "$QUATRO_ROOT/runs"
+    fi
+}
+
 quatro_default_run_dir() {
     if [ -n "${QUATRO_SWEEP_DIR:-}" ]; then
         echo "$QUATRO_SWEEP_DIR/task-$SLURM_ARRAY_TASK_ID"
     elif [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then
-        echo "${QUATRO_RUNS_DIR:-$QUATRO_ROOT/runs}/$SLURM_JOB_NAME-${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID"
+        echo "$(quatro_runs_dir)/$SLURM_JOB_NAME-${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID"
     else
-        echo "${QUATRO_RUNS_DIR:-$QUATRO_ROOT/runs}/$SLURM_JOB_NAME-$SLURM_JOB_ID"
+        echo "$(quatro_runs_dir)/$SLURM_JOB_NAME-$SLURM_JOB_ID"
     fi
 }
 

@@ -45,13 +45,22 @@ if [ -n "${SLURM_STEP_ID:-}" ] && [ -n "${SLURM_PROCID:-}" ] && [ -z "${RANK:-}"
     fi
 fi
 
-# Compile caches of this rank under the job's QUATRO_CACHE_DIR (common.sh), unless already set:
-# ranks never share (or race on) one cache directory, and $HOME is not written.
+# Compile and library caches of this rank under the job's QUATRO_CACHE_DIR (common.sh), unless
+# already set: ranks never share (or race on) one cache directory, and $HOME is not written (the
+# container does not mount it: a HOME that is not writable is replaced by one in the cache).
 if [ -n "${QUATRO_CACHE_DIR:-}" ]; then
     rank_cache=$QUATRO_CACHE_DIR/rank${RANK:-0}
     export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$rank_cache/triton}
     export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$rank_cache/inductor}
     export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$rank_cache/vllm}
+    export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$rank_cache/xdg-cache}
+    export XDG_CONFIG_HOME=${XDG_CONFIG_HOME:-$rank_cache/xdg-config}
+    export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-$rank_cache/cuda-compute-cache}
+    export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$rank_cache/flashinfer}
+    if [ -z "${HOME:-}" ] || [ ! -w "$HOME" ]; then
+        export HOME=$rank_cache/home
+        mkdir -p "$HOME"
+    fi
 fi
 
 # One line per rank start in the run directory (common.sh sets the file): which node and pid ran

@@ -2,6 +2,7 @@
 without CUDA/vLLM, and (GPU + vLLM only) a weight-push check against megatron's own sampler."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -57,58 +58,83 @@ def test_refuses_cleanly_without_the_vllm_package(monkeypatch):
     with pytest.raises(RuntimeError, match="needs the vllm package .* or use rollout.backend=megatron"):
         require_vllm()
     with pytest.raises(RuntimeError, match="needs the vllm package"):
-        VllmRolloutBackend(model=None, model_config=None, engine=None, eos_id=0, pad_id=0)
+        VllmRolloutBackend(model=None, model_config=None, engine=None, stop_token_ids=[0], pad_id=0)
 
 
-def test_refuses_where_vllm_detects_no_cuda(monkeypatch):
-    """The device check is vLLM's platform (the fake vLLM reporting a CPU here)."""
+@pytest.mark.parametrize("platform, accepted", [("cuda", True), ("cpu", True), ("tpu", False)])
+def test_accepts_cuda_and_the_cpu_build_and_refuses_other_platforms(monkeypatch, platform, accepted):
+    """The device check is vLLM's platform (the fake vLLM reporting each here)."""
     for name in ("vllm", "vllm.platforms"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.syspath_prepend(FAKE_VLLM)
-    monkeypatch.setenv("QUATRO_FAKE_VLLM_PLATFORM", "cpu")
-    with pytest.raises(RuntimeError, match="needs CUDA GPUs \\(vLLM detected the CpuPlatform platform\\)"):
-        require_vllm()
-    for name in ("vllm", "vllm.platforms"):
-        sys.modules.pop(name, None)
-
-
-def _has_vllm() -> bool:
+    monkeypatch.setenv("QUATRO_FAKE_VLLM_PLATFORM", platform)
     try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return torch.cuda.is_available()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _has_vllm(), reason="needs CUDA and vllm")
-def test_vllm_greedy_follows_pushed_megatron_weights(tmp_path, monkeypatch):
-    from quatro_nemo.engine.memory_plan import VllmConfig
-    from quatro_nemo.megatron.models import ModelConfig, build_model
-    from quatro_nemo.megatron.parallel import destroy_parallel, free_port, initialize_parallel
-    from quatro_nemo.megatron.sampling import SamplingParams, generate
-
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(key, value)
-    initialize_parallel(1, 1, seed=5)
-    try:
-        cfg = ModelConfig(architecture="qwen2", normalization="RMSNorm", swiglu=True, qkv_bias=True,
-                          linear_bias=False, position_embedding="rope", vocab_size=1024, hidden_size=256,
-                          num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
-                          max_position_embeddings=128, params_dtype="float32", init_method_std=0.2)
-        model = build_model(cfg)
-        backend = VllmRolloutBackend(model, cfg, engine=VllmConfig(gpu_memory_utilization=0.2, enforce_eager=True),
-                                     eos_id=1, pad_id=0)
-        with torch.no_grad():  # the trainer moves away from its initial weights ...
-            for param in model.parameters():
-                param.add_(0.1 * torch.randn_like(param))
-        backend.update_weights()  # ... and the backend must follow
-        prompts = torch.randint(2, 1024, (4, 8), generator=torch.Generator().manual_seed(0)).tolist()
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
-        from_vllm = backend.generate(prompts, 1, greedy).sample.tokens
-        model.eval()
-        from_megatron = generate(model, prompts, greedy, eos_id=1, pad_id=0).tokens.cpu()
-        assert torch.equal(from_vllm[:, 8], from_megatron[:, 8])
+        if accepted:
+            assert require_vllm().__version__.endswith("quatro-fake")
+        else:
+            with pytest.raises(RuntimeError, match="runs on CUDA GPUs or vLLM's CPU build \\(vLLM detected the "
+                                                   "TpuPlatform platform\\)"):
+                require_vllm()
     finally:
-        destroy_parallel()
+        for name in ("vllm", "vllm.platforms"):
+            sys.modules.pop(name, None)
+
+
+def _single_process_launcher_environment(rank):
+    from quatro_nemo.engine.vllm_backend import launcher_environment
+    from quatro_nemo.megatron.parallel import initialize_parallel
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key)  # a plain process: megatron makes its own group
+    initialize_parallel(1, 1)
+    return launcher_environment()
+
+
+def test_launcher_environment_of_a_single_process_started_without_a_launcher():
+    """scripts/gpu_check.sh starts recipes/train.py as one plain process: megatron makes its own
+    group and nothing exports RANK / LOCAL_RANK, which vLLM's external_launcher reads."""
+    from tests.distributed import run_ranks
+
+    env = run_ranks(1, _single_process_launcher_environment)[0]
+    assert env["RANK"] == "0" and env["LOCAL_RANK"] == "0"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and 0 < int(env["MASTER_PORT"]) < 65536
+
+
+@pytest.mark.parametrize("visible, local_rank, device", [(8, "3", "3"), (1, "3", "0"), (2, "3", "1")])
+def test_launcher_environment_tells_vllm_the_trainers_gpu(monkeypatch, visible, local_rank, device):
+    """vLLM takes LOCAL_RANK as its CUDA device index and asserts it is below the visible count; with
+    one GPU per task (SLURM binding: one visible device) the trainer's device is 0, not SLURM's local id."""
+    from quatro_nemo.engine import vllm_backend
+
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setattr(vllm_backend.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm_backend.torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(vllm_backend.parallel, "global_rank", lambda: 11)
+    env = vllm_backend.launcher_environment()
+    assert env["LOCAL_RANK"] == device and int(env["LOCAL_RANK"]) < visible and env["RANK"] == "11"
+
+
+def test_engine_weights_give_a_tied_policys_embedding_to_the_engines_own_output_layer():
+    """vLLM's in-place reload puts a tied output layer's old tensor back, so the engine is built untied
+    and the embedding is pushed twice; an untied policy's stream is unchanged."""
+    from quatro_nemo.engine.vllm_backend import engine_weights
+
+    embed, norm = torch.randn(5, 3), torch.randn(3)
+    stream = [("model.embed_tokens.weight", embed), ("model.norm.weight", norm)]
+    tied = list(engine_weights(iter(stream), tied=True))
+    assert [name for name, _ in tied] == ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    assert tied[1][1] is embed
+    assert list(engine_weights(iter(stream), tied=False)) == stream
+
+
+def test_engine_config_is_untied_and_names_the_models_shape(tmp_path):
+    import json
+
+    from quatro_nemo.engine.vllm_backend import write_engine_model_dir
+    from quatro_nemo.megatron.models import ModelConfig
+
+    cfg = ModelConfig(architecture="qwen2", vocab_size=96, hidden_size=128, num_layers=2, num_attention_heads=2,
+                      num_query_groups=2, ffn_hidden_size=256, max_position_embeddings=64, tie_embeddings=True)
+    config = json.loads((Path(write_engine_model_dir(cfg, str(tmp_path))) / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    assert (config["hidden_size"], config["num_attention_heads"], config["vocab_size"]) == (128, 2, 96)

@@ -49,6 +49,8 @@ def write_tiny_hf_checkpoint(directory: Path) -> dict:
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config)
     model.save_pretrained(directory, safe_serialization=True)
+    # as Qwen2.5 base checkpoints: the chat end token also ends a response
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 256]}))
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
@@ -88,6 +90,9 @@ def test_quatro_7b_config_trains_two_steps_at_tp2_with_the_fake_engine(tmp_path)
         assert start["max_num_seqs"] == 256 and start["enable_sleep_mode"] is True and start["max_model_len"] == 512
         # eval at step 0, the rollouts of steps 0 and 1, the final eval
         assert len(engine["pushes"]) == 4
+        requests = [r for event in engine["events"] if event["call"] == "generate" for r in event["requests"]]
+        # the tokenizer's <|endoftext|> and the generation config's <|im_end|>
+        assert requests and all(r["params"]["stop_token_ids"] == [256, 257] for r in requests)
     for before, after in zip(*(engine["pushes"] for engine in engines)):  # both ranks get the full weights
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     first = engines[0]["pushes"][0]  # the base model before any step: the HF checkpoint's tensors

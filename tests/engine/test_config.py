@@ -104,6 +104,9 @@ def test_saved_run_config_validates_to_the_same_config(tmp_path):
     (["parallel.max_tokens_per_micro_batch=1"], "parallel.max_tokens_per_micro_batch"),
     (["parallel.max_tokens_per_micro_batch=-5"], "parallel.max_tokens_per_micro_batch"),
     (["parallel.sequence_packing=true"], "parallel.sequence_packing"),
+    (["rollout.importance_correction=token"], "rollout.importance_correction"),   # megatron: no engine gap
+    (["rollout.backend=vllm", "rollout.importance_correction=tokens"], "rollout.importance_correction"),
+    (["rollout.importance_cap=0"], "rollout.importance_cap"),
     (["config=does_not_exist"], "does_not_exist"),
     (["no_equals_sign"], "no_equals_sign"),
 ])
@@ -153,3 +156,21 @@ def test_cfg_job_prints_the_composed_config_without_running(tmp_path):
     # what it prints is what a run validates
     assert dataclasses.asdict(validate(printed)) == dataclasses.asdict(
         load_config(["config=quatro_7b", "algorithm=gspo", "trainer.lr=2e-6", f"run.dir={run_dir}"]))
+
+
+def test_every_end_token_of_a_checkpoint_stops_responses(tmp_path):
+    """Qwen2.5 base checkpoints end a response with <|endoftext|> or <|im_end|>: the tokenizer names
+    one, config.json and generation_config.json (an int or a list) the others."""
+    import json
+
+    from quatro_nemo.engine.task import checkpoint_end_tokens
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151643}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    assert checkpoint_end_tokens(str(tmp_path), 151643) == (151643, 151645)
+    assert checkpoint_end_tokens(str(tmp_path), None) == (151643, 151645)
+    (tmp_path / "generation_config.json").unlink()
+    assert checkpoint_end_tokens(str(tmp_path), 7) == (7, 151643)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no end-of-sequence token"):
+        checkpoint_end_tokens(str(tmp_path), None)

@@ -296,3 +296,27 @@ def test_plan_sections_reject_unknown_keys_by_name():
     assert section_from_dict("vllm", {"tensor_parallel": 2}).tensor_parallel == 2
     with pytest.raises(PlanError, match=r"vllm.gpu_mem"):
         section_from_dict("vllm", {"gpu_mem": 0.5})
+
+
+def test_an_explicit_kv_cache_sizes_the_engine_and_a_tied_model_is_pushed_untied():
+    """vllm.kv_cache_memory_gb (what vLLM's CPU build needs): the engine takes its weights, that KV
+    cache and its activation reserve. The engine's output layer is its own (a tied policy's
+    embedding is pushed into it: quatro_nemo.engine.vllm_backend.write_engine_model_dir)."""
+    tied = dataclasses.replace(QWEN25_1P5B, tie_embeddings=True)
+    plan = plan_memory(tied, Layout(1, 1), ClusterConfig(), ScaleConfig(),
+                       VllmConfig(kv_cache_memory_gb=3.0, activation_reserve_gb=2.0), _work(), Runtime())
+    engine_weights = (total_parameter_count(tied) + 151_936 * 1_536) * 2   # + its own output layer, bf16
+    assert plan.vllm_gb * 1e9 == pytest.approx(engine_weights + 3e9 + 2e9)
+    assert plan.kv_cache_gb == pytest.approx(3.0)
+
+
+def test_a_null_vocabulary_is_the_tasks_before_planning():
+    """The CPU default's model.vocab_size is null (the task's tokenizer decides): the planner of a
+    vllm run plans that vocabulary instead of failing in its divisibility checks."""
+    from quatro_nemo.engine.config import load_config, memory_plan
+    from quatro_nemo.engine.task import build_task
+
+    cfg = load_config(["rollout.backend=vllm", "model=tiny_qwen2", "warmstart.enabled=false"])
+    assert cfg.model.vocab_size is None
+    trained = build_task(cfg).model_config(cfg.model)   # the model train() builds
+    assert memory_plan(cfg).total_parameters == total_parameter_count(ModelShape.from_model_config(trained))

@@ -35,13 +35,13 @@ def _rollouts(rank, out_dir):
     initialize_parallel(1, 1, seed=3)
     model = build_model(ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_attention_heads=4,
                                     max_position_embeddings=32, init_method_std=0.3))
-    backend = MegatronRolloutBackend(model, eos_id=2, pad_id=0)
+    backend = MegatronRolloutBackend(model, stop_token_ids=[2], pad_id=0)
     prompts = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11]]
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=6, seed=4)
     whole = backend.generate(prompts, 3, params)
     second_half = backend.generate(prompts[2:], 3, params, first_prompt_index=2)
     rows = [p for p in prompts for _ in range(3)]
-    direct = generate(model, rows, params, eos_id=2, pad_id=0, sequence_ids=list(range(12)))
+    direct = generate(model, rows, params, stop_token_ids=[2], pad_id=0, sequence_ids=list(range(12)))
     torch.save(dict(whole=whole, second_half=second_half, direct=direct, prompts=prompts), f"{out_dir}/r.pt")
 
 

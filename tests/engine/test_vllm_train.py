@@ -1,7 +1,12 @@
-"""``train()`` with ``rollout.backend=vllm``, vLLM replaced only at its import boundary by the fake
-engine of ``tests/engine/fake_vllm`` (construction, sleep/wake_up, generate, weight loading).
+"""``train()`` with ``rollout.backend=vllm`` on a GPU platform, vLLM replaced only at its import
+boundary by the fake engine of ``tests/engine/fake_vllm``: what vLLM's CPU build cannot run here,
+sleep mode between phases and the training state's offload around every sampling call (CUDA
+memory). The real engine runs through ``recipes/train.py`` in ``tests/vllm/``.
 
 Checked at TP=1 and TP=2 (two engines in one tensor-parallel group, each sampling half the prompts):
+
+- rollouts and held-out evaluations alike sample with the optimizer state and gradient buffers
+  offloaded (the memory plan's sampling phase), and reload them after;
 
 - each push gives the engine the trainer's weights: the pushed HF tensors, loaded into
   ``transformers``' Qwen2 (an independent implementation of the names and layouts), give the
@@ -64,6 +69,7 @@ def _train_rank(rank: int, args, out_dir: str):
 
     from quatro_nemo.engine import loop
     from quatro_nemo.engine.config import load_config
+    from quatro_nemo.megatron import training
     from tests.conversion.megatron_helpers import forward_logits
 
     assert vllm.__version__.endswith("quatro-fake")
@@ -77,6 +83,13 @@ def _train_rank(rank: int, args, out_dir: str):
     def forward_backward(model, mini, *rest, **kwargs):
         batches.append({"tokens": mini["tokens"].clone(), "response_mask": mini["response_mask"].clone()})
         return real_forward_backward(model, mini, *rest, **kwargs)
+
+    def record(call):
+        def mark(*args):
+            vllm.LLM.instances[0].events.append({"call": call})
+        return mark
+
+    training.offload_training_state, training.reload_training_state = record("offload"), record("reload")
 
     def check_push(hf_state):
         trainer = forward_logits(models[0], tokens)  # collective over TP, like the push itself
@@ -135,15 +148,18 @@ def test_engine_is_built_from_the_config_and_sleeps_between_phases(runs, tensor)
         # conf/config.yaml has no vllm: section: its typed defaults (the 7B test sets one)
         assert start["tensor_parallel_size"] == 1 and start["gpu_memory_utilization"] == VllmConfig().gpu_memory_utilization
         assert start["enable_sleep_mode"] is True and start["max_model_len"] == 64
+        assert start["logprobs_mode"] == "raw_logprobs"  # log pi at temperature 1, as the trainer computes it
         assert start["distributed_executor_backend"] == "external_launcher" and start["dtype"] == "float32"
         hf = start["hf_config"]
         assert (hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"],
                 hf["intermediate_size"]) == (32, 2, 4, 2, 64)
         calls = [e["call"] if e["call"] not in ("sleep", "wake_up") else (e["call"], e.get("level") or tuple(e["tags"]))
                  for e in record["events"][1:]]
-        first = ["collective_rpc", "load_weights", "generate", ("sleep", 2)]
-        again = [("wake_up", ("weights",)), "collective_rpc", "load_weights", ("wake_up", ("kv_cache",)),
-                 "generate", ("sleep", 2)]
+        first = ["offload", "collective_rpc", "load_weights", "reset_prefix_cache", "generate", ("sleep", 2),
+                 "reload"]
+        again = ["offload", ("wake_up", ("weights",)), "collective_rpc", "load_weights", "reset_prefix_cache",
+                 ("wake_up", ("kv_cache",)), "generate", ("sleep", 2), "reload"]
+        # evaluation at step 0, the rollouts of each step, the final evaluation: all offloaded
         assert calls == first + again * (1 + STEPS)
 
 
@@ -170,7 +186,7 @@ def test_prompts_and_sampling_parameters_arrive_as_configured(runs, tensor):
             params = r["params"]
             assert params["temperature"] == (1.0 if evaluation else TEMPERATURE)
             assert params["top_p"] == (EVAL_TOP_P if evaluation else TOP_P)
-            assert params["max_tokens"] == MAX_NEW and params["stop_token_ids"] == [task.eos_id]
+            assert params["max_tokens"] == MAX_NEW and params["stop_token_ids"] == list(task.stop_token_ids)
             assert params["n"] == 1 and params["logprobs"] == 0 and params["detokenize"] is False
     # The step prompts differ between steps, and the same requests come in both layouts.
     assert {tuple(r["prompt"]) for r in step_requests(run, 1)} != {tuple(r["prompt"]) for r in step_requests(run, 2)}

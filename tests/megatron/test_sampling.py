@@ -108,7 +108,7 @@ def _single_process_checks(rank, out_dir):
     )
     model.eval()
     prompts = _prompts(6)
-    greedy = generate(model, prompts, SamplingParams(temperature=0.0, max_new_tokens=10), eos_id=EOS, pad_id=PAD)
+    greedy = generate(model, prompts, SamplingParams(temperature=0.0, max_new_tokens=10), stop_token_ids=[EOS], pad_id=PAD)
     # Full recomputation, one token at a time, no cache.
     recomputed = []
     for prompt in prompts:
@@ -123,12 +123,12 @@ def _single_process_checks(rank, out_dir):
     # Sampled first tokens of one prompt vs the model's filtered distribution.
     prompt = prompts[0]
     params = SamplingParams(temperature=3.0, top_p=0.8, max_new_tokens=1, seed=3)
-    first = generate(model, [prompt] * 3000, params, eos_id=EOS, pad_id=PAD)
+    first = generate(model, [prompt] * 3000, params, stop_token_ids=[EOS], pad_id=PAD)
     filtered = top_p_filtered_probs(_full_logits(model, torch.tensor([prompt]))[:, -1], 3.0, 0.8)[0]
 
     # Sampled sequences: the sampler's log-probs vs a full forward of what it generated.
     sampled = generate(model, prompts * 4, SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=12, seed=5),
-                       eos_id=EOS, pad_id=PAD)
+                       stop_token_ids=[EOS], pad_id=PAD)
     full = torch.log_softmax(_full_logits(model, sampled.tokens)[:, :-1], dim=-1)
     recomputed_logprobs = full.gather(-1, sampled.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     torch.save(dict(greedy=greedy, recomputed=recomputed, first=first, filtered=filtered, sampled=sampled,
@@ -188,7 +188,7 @@ def _sample_in_layout(rank, tp, pp, dp_split, out_dir, full_state):
     if dp_split:
         share = len(prompts) // dp_size()
         ids = ids[dp_rank() * share:(dp_rank() + 1) * share]
-    out = generate(model, [prompts[i] for i in ids], PARAMS, eos_id=EOS, pad_id=PAD, sequence_ids=ids)
+    out = generate(model, [prompts[i] for i in ids], PARAMS, stop_token_ids=[EOS], pad_id=PAD, sequence_ids=ids)
     torch.save(dict(out=out, ids=ids), f"{out_dir}/rank{rank}.pt")
 
 
@@ -212,3 +212,35 @@ def test_tp2_pp2_dp2_sample_the_same_tokens_as_one_process(tmp_path):
             assert (reference.tokens[ids, length:] == PAD).all()
             assert torch.equal(out.response_lengths, reference.response_lengths[ids])
             torch.testing.assert_close(out.logprobs, reference.logprobs[ids, : length - 1], atol=1e-5, rtol=1e-5)
+
+
+def _stop_checks(rank, out_dir, stops):
+    from quatro_nemo.megatron.sampling import generate
+
+    model = _build(1, 1)
+    model.eval()
+    out = generate(model, _prompts(6, seed=4), SamplingParams(temperature=0.0, max_new_tokens=12),
+                   stop_token_ids=stops, pad_id=PAD)
+    torch.save(out, f"{out_dir}/stops-{'-'.join(map(str, stops))}.pt")
+
+
+@pytest.mark.distributed
+def test_a_response_ends_at_the_first_of_any_end_token(tmp_path):
+    """Qwen2.5 base models end a response with either of two tokens: the sampler stops at whichever
+    comes first. Expected lengths are read off the greedy responses of a run that never stops."""
+    never = VOCAB + 7  # outside the vocabulary: never sampled
+    run_ranks(1, _stop_checks, str(tmp_path), [never])
+    free = torch.load(tmp_path / f"stops-{never}.pt", weights_only=False)
+    responses = [free.tokens[row, int(free.prompt_lengths[row]):int(free.prompt_lengths[row] + free.response_lengths[row])].tolist()
+                 for row in range(len(free.prompt_lengths))]
+    assert all(len(r) == 12 for r in responses)
+    first, second = responses[0][2], responses[1][4]   # two tokens the greedy model does emit
+    run_ranks(1, _stop_checks, str(tmp_path), [first, second])
+    stopped = torch.load(tmp_path / f"stops-{first}-{second}.pt", weights_only=False)
+    for row, response in enumerate(responses):
+        ends = [i for i, token in enumerate(response) if token in (first, second)]
+        expected = ends[0] + 1 if ends else 12
+        assert int(stopped.response_lengths[row]) == expected
+        assert bool(stopped.finished[row]) == bool(ends)
+        n = int(stopped.prompt_lengths[row]) + expected
+        assert stopped.tokens[row, int(stopped.prompt_lengths[row]):n].tolist() == response[:expected]

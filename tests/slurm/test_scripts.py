@@ -252,9 +252,10 @@ def test_srun_passes_the_jobs_cpus_per_task_on():
     """srun of SLURM 22.05-23.02 does not inherit --cpus-per-task from sbatch: common.sh passes it."""
     snippet = 'quatro_srun_args; printf "%s\\n" "${QUATRO_SRUN_ARGS[@]}"'
     given = bash_common(snippet, env={"SLURM_CPUS_PER_TASK": "12", "QUATRO_RANK_EXIT_WAIT_S": "90"})
-    assert given.stdout.splitlines() == ["--label", "--kill-on-bad-exit=0", "--wait=90", "--cpus-per-task=12"]
+    assert given.stdout.splitlines() == ["--label", "--kill-on-bad-exit=0", "--wait=90", "--distribution=block",
+                                         "--cpus-per-task=12"]
     unset = bash_common(f"unset SLURM_CPUS_PER_TASK; {snippet}")
-    assert unset.stdout.splitlines() == ["--label", "--kill-on-bad-exit=0", "--wait=600"]
+    assert unset.stdout.splitlines() == ["--label", "--kill-on-bad-exit=0", "--wait=600", "--distribution=block"]
 
 
 COMM_KEYS = ["QUATRO_DIST_TIMEOUT_MIN", "NCCL_IB_TIMEOUT", "NCCL_IB_RETRY_CNT", "QUATRO_CACHE_DIR"]
@@ -270,6 +271,29 @@ def test_comm_defaults_are_exported_and_yield_to_the_environment():
             "QUATRO_CACHE_DIR": "/scratch/c"}
     overridden = bash_common(f"SLURM_JOB_ID=42; {show}", env=mine)
     assert overridden.stdout.splitlines() == [f"{k}={v}" for k, v in mine.items()]
+
+
+def test_gloo_follows_the_nccl_interface_and_compute_nodes_stay_offline():
+    """megatron and vLLM build Gloo groups over all ranks: they must use the fabric NCCL is told to;
+    vLLM's usage reports and hub downloads are off unless the user says otherwise."""
+    keys = ["GLOO_SOCKET_IFNAME", "VLLM_NO_USAGE_STATS", "HF_HUB_OFFLINE"]
+    show = "quatro_export_comm_defaults; for k in " + " ".join(keys) + '; do echo "$k=${!k:-}"; done'
+    given = bash_common(f"unset {' '.join(keys)}; SLURM_JOB_ID=1; {show}", env={"NCCL_SOCKET_IFNAME": "ib0"})
+    assert given.stdout.splitlines() == ["GLOO_SOCKET_IFNAME=ib0", "VLLM_NO_USAGE_STATS=1", "HF_HUB_OFFLINE=1"]
+    plain = bash_common(f"unset {' '.join(keys)} NCCL_SOCKET_IFNAME; SLURM_JOB_ID=1; {show}")
+    assert plain.stdout.splitlines()[0] == "GLOO_SOCKET_IFNAME="
+    mine = bash_common(f"SLURM_JOB_ID=1; {show}", env={"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth1",
+                                                      "HF_HUB_OFFLINE": "0"})
+    assert mine.stdout.splitlines() == ["GLOO_SOCKET_IFNAME=eth1", "VLLM_NO_USAGE_STATS=1", "HF_HUB_OFFLINE=0"]
+
+
+def test_default_run_directories_go_to_scratch_where_the_cluster_has_one():
+    """A 7B checkpoint is ~107 GB: run directories go to $SCRATCH unless QUATRO_RUNS_DIR says otherwise."""
+    show = "QUATRO_ROOT=/repo; quatro_runs_dir"
+    assert bash_common(f"unset QUATRO_RUNS_DIR SCRATCH; {show}").stdout.strip() == "/repo/runs"
+    assert bash_common(f"unset QUATRO_RUNS_DIR; {show}", env={"SCRATCH": "/scratch/u"}).stdout.strip() \
+        == "/scratch/u/quatro-nemo/runs"
+    assert bash_common(show, env={"SCRATCH": "/scratch/u", "QUATRO_RUNS_DIR": "/big"}).stdout.strip() == "/big"
 
 
 # ---------------------------------------------------------------------------------------------

