@@ -62,6 +62,12 @@ def sequence_lengths(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum(dim=-1).clamp_min(1)
 
 
+def masked_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``m v`` where ``m != 0`` and exactly 0 elsewhere: a NaN or inf at a masked position (a log-prob
+    past a row's end, say) reaches neither a sum nor a gradient, where ``v * 0`` would be NaN."""
+    return torch.where(mask != 0, values * mask, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def aggregate_tokens(values: torch.Tensor, mask: torch.Tensor, mode: str,
                      normalizer: LossNormalizer) -> torch.Tensor:
     """Reduce per-token ``values`` [S, T] over the global batch (verl ``agg_loss`` modes).
@@ -69,8 +75,9 @@ def aggregate_tokens(values: torch.Tensor, mask: torch.Tensor, mode: str,
     token-mean:          sum_{i,t} m v / num_tokens
     seq-mean-token-mean: sum_i (sum_t m v / |o_i|) / num_sequences
     seq-mean-token-sum:  sum_{i,t} m v / num_sequences
+    (masked positions contribute exactly 0, whatever their value: :func:`masked_values`)
     """
-    masked = values * mask
+    masked = masked_values(values, mask)
     if mode == "token-mean":
         return masked.sum() / normalizer.num_tokens
     if mode == "seq-mean-token-mean":
@@ -82,9 +89,10 @@ def aggregate_tokens(values: torch.Tensor, mask: torch.Tensor, mode: str,
 
 def aggregate_sequences(values: torch.Tensor, mask: torch.Tensor,
                         normalizer: LossNormalizer) -> torch.Tensor:
-    """Global mean of per-sequence ``values`` [S]: sum over non-empty rows / num_sequences."""
+    """Global mean of per-sequence ``values`` [S]: sum over non-empty rows / num_sequences (an
+    empty row contributes exactly 0, whatever its value)."""
     has_tokens = (mask.sum(dim=-1) > 0).to(values.dtype)
-    return (values * has_tokens).sum() / normalizer.num_sequences
+    return masked_values(values, has_tokens).sum() / normalizer.num_sequences
 
 
 def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

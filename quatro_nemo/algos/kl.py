@@ -25,7 +25,9 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, clamp: float = K3_
     whose k3 exceeds ``clamp`` (for 10: ``r`` above about 2.61, i.e. pi_ref far more likely than
     pi_theta, or ``r`` below about -11) contributes the constant ``clamp`` and NO gradient, where
     the bare estimator's gradient ``d k3 / d log pi_theta = 1 - exp(r)`` would be -3.3e6 at r = 15.
-    ``clamp = 0`` turns the cap off (the bare formula).
+    ``clamp = 0`` turns this cap off; the guard on ``r`` stays in every case, so past
+    ``|r| = LOG_RATIO_GUARD`` the value is that of ``r = +-20`` (``exp(20) - 21`` above) and the
+    gradient is 0.
     """
     r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_GUARD, LOG_RATIO_GUARD)
     kl = torch.exp(r) - r - 1.0

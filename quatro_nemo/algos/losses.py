@@ -21,6 +21,7 @@ from quatro_nemo.algos.aggregation import (
     aggregate_sequences,
     aggregate_tokens,
     masked_max,
+    masked_values,
     masked_min,
     sequence_lengths,
 )
@@ -60,7 +61,7 @@ def _token_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torc
 
 def _sequence_log_ratios(logprobs, old_logprobs, mask) -> Tuple[torch.Tensor, torch.Tensor]:
     """(l_i = sum_t r_t, log s_i = l_i / |o_i|), both [S] (GSPO, arXiv:2507.18071, Eq. 7)."""
-    log_ratio_sum = ((logprobs - old_logprobs) * mask).sum(dim=-1)
+    log_ratio_sum = masked_values(logprobs - old_logprobs, mask).sum(dim=-1)
     return log_ratio_sum, log_ratio_sum / sequence_lengths(mask)
 
 
@@ -224,7 +225,7 @@ def gmpo_loss(logprobs, old_logprobs, advantages, response_mask, config: GMPOCon
     sign = torch.sign(adv).unsqueeze(1)
     log_ratio_clipped = log_ratio.clamp(-config.clip_low, config.clip_high)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * log_ratio_clipped)
-    geo_mean_ratio = torch.exp((pessimistic * mask).sum(dim=-1) / sequence_lengths(mask))
+    geo_mean_ratio = torch.exp(masked_values(pessimistic, mask).sum(dim=-1) / sequence_lengths(mask))
     pg_loss = aggregate_sequences(-adv * geo_mean_ratio, mask, normalizer)
     clipped = (sign * log_ratio_clipped < sign * log_ratio).to(mask.dtype)
     metrics = _sequence_ratio_metrics(geo_mean_ratio, mask, normalizer)
@@ -242,7 +243,9 @@ def cispo_loss(logprobs, old_logprobs, advantages, response_mask, config: CISPOC
     """
     mask = _check_inputs(logprobs, old_logprobs, advantages, response_mask, config, CISPOConfig, "cispo")
     ratio = torch.exp(_token_log_ratio(logprobs, old_logprobs))
-    weight = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high).detach()
+    # 0 at masked positions, whose log-probs may be NaN or inf: the weight multiplies the gradient.
+    weight = torch.where(mask != 0, ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high),
+                         torch.zeros_like(ratio)).detach()
     per_token = -weight * advantages.to(logprobs.dtype).unsqueeze(1) * logprobs
     pg_loss = aggregate_tokens(per_token, mask, config.loss_agg_mode, normalizer)
     metrics = _token_ratio_metrics(ratio, mask, normalizer)

@@ -181,17 +181,25 @@ def select_device(device: str) -> None:
 def update_policy(policy_ddp, optimizer, batch: Dict[str, torch.Tensor], spec, algo_cfg, trainer,
                   rows_per_mini: int, batching: MicroBatching, optimizer_steps_done: int) -> List[Dict[str, float]]:
     """K inner loops over one rollout batch (step 6): each mini-batch of `rows_per_mini` local rows
-    is one optimizer step. Returns each update's metrics (loss metrics, grad_norm, lr)."""
+    is one optimizer step. Returns each update's metrics (loss metrics, grad_norm, lr).
+
+    No step without a signal: a mini-batch whose loss has no gradient at all (every advantage 0
+    while the policy is still pi_old and pi_ref) takes no optimizer step and returns no metrics,
+    so neither Adam's momentum nor weight decay moves the weights. Its gradient is exactly 0 only
+    because pi_old's log-probs equal the training forward's bitwise (`batching.mini_batch_rows`
+    = `rows_per_mini`: the same micro-batches in both passes)."""
     updates: List[Dict[str, float]] = []
     for _inner in range(trainer.inner_loops):
         for start in range(0, batch["tokens"].shape[0], rows_per_mini):
             mini = slice_batch(batch, slice(start, start + rows_per_mini))
             if dp_sum(mini["response_mask"].sum()) == 0:
                 continue  # every group of this mini-batch was filtered out (dynamic sampling)
-            lr = training.warmup_learning_rate(trainer.lr, trainer.lr_warmup_steps, optimizer_steps_done)
-            training.set_learning_rate(optimizer, lr)
             training.zero_gradients(policy_ddp, optimizer)
             metrics = train_step_forward_backward(policy_ddp, mini, spec.policy_loss, algo_cfg, batching)
+            if not training.has_gradient(policy_ddp):
+                continue  # no learning signal: no step on a zero gradient
+            lr = training.warmup_learning_rate(trainer.lr, trainer.lr_warmup_steps, optimizer_steps_done)
+            training.set_learning_rate(optimizer, lr)
             metrics["grad_norm"] = training.optimizer_step(policy_ddp, optimizer)
             metrics["lr"] = lr
             optimizer_steps_done += 1
@@ -236,7 +244,8 @@ def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, referenc
     adaptive-delta controller (``RolloutLearning.policy_shift``).
     """
     n = cfg.rollout.n
-    batching = MicroBatching.from_parallel_config(cfg.parallel)
+    rows_per_mini = (cfg.trainer.mini_batch_prompts or cfg.trainer.prompts_per_step) // parallel.dp_size() * n
+    batching = MicroBatching.from_parallel_config(cfg.parallel, mini_batch_rows=rows_per_mini)
 
     # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
     advantage_out = spec.advantage_estimator(groups.rewards, cfg.algorithm)
@@ -261,7 +270,6 @@ def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, referenc
     t_logprobs = time.perf_counter()
 
     # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
-    rows_per_mini = (cfg.trainer.mini_batch_prompts or cfg.trainer.prompts_per_step) // parallel.dp_size() * n
     update_metrics = update_policy(policy_ddp, optimizer, batch, spec, cfg.algorithm, cfg.trainer,
                                    rows_per_mini, batching, optimizer_steps_done)
     if update_metrics:

@@ -51,26 +51,37 @@ MIN_WIDTH = 2  # a micro-batch must hold one next-token prediction (T = width - 
 class MicroBatching:
     """How to split a rank's rows: ``rows`` per micro-batch (padded to the batch width), or, when
     ``max_tokens`` is set, a padded-token budget per micro-batch (sorted, binned, trimmed).
-    ``pack``: concatenate each micro-batch's rows into one THD sequence (Transformer Engine only)."""
+    ``pack``: concatenate each micro-batch's rows into one THD sequence (Transformer Engine only).
+
+    ``mini_batch_rows``: split each block of that many consecutive rows on its own (a mini-batch,
+    one optimizer step), never across blocks (:func:`plan_micro_batches`). A pass over a whole
+    rollout (pi_old's and pi_ref's log-probs) then computes every row in the very micro-batch,
+    same rows and same width, that the training forward of its mini-batch computes it in, so
+    pi_old's log-probs equal the first training forward's bitwise: CPU kernels round differently
+    for different micro-batch shapes (AVX-512's do), and a log-ratio that should be 0 would be
+    float noise that the optimizer turns into a step. None: the whole batch is one block."""
 
     rows: int = 1
     max_tokens: Optional[int] = None
     pack: bool = False
+    mini_batch_rows: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.rows < 1:
             raise ValueError(f"parallel.micro_batch_size={self.rows} must be >= 1")
+        if self.mini_batch_rows is not None and self.mini_batch_rows < 1:
+            raise ValueError(f"MicroBatching.mini_batch_rows={self.mini_batch_rows} must be >= 1 (or None)")
         if self.max_tokens is not None and self.max_tokens < MIN_WIDTH:
             raise ValueError(f"parallel.max_tokens_per_micro_batch={self.max_tokens} must be >= {MIN_WIDTH} (or 0: off)")
         if self.pack and self.max_tokens is None:
             raise ValueError("parallel.sequence_packing=true needs parallel.max_tokens_per_micro_batch > 0")
 
     @classmethod
-    def from_parallel_config(cls, parallel) -> "MicroBatching":
+    def from_parallel_config(cls, parallel, mini_batch_rows: Optional[int] = None) -> "MicroBatching":
         """From the ``parallel:`` section (``micro_batch_size``, ``max_tokens_per_micro_batch``:
-        0 or None = off, ``sequence_packing``)."""
+        0 or None = off, ``sequence_packing``) and the rank's rows per mini-batch (training)."""
         return cls(rows=parallel.micro_batch_size, max_tokens=parallel.max_tokens_per_micro_batch or None,
-                   pack=bool(getattr(parallel, "sequence_packing", False)))
+                   pack=bool(getattr(parallel, "sequence_packing", False)), mini_batch_rows=mini_batch_rows)
 
 
 @dataclass(frozen=True)
@@ -129,13 +140,21 @@ def plan_by_tokens(lengths: torch.Tensor, max_tokens: int) -> List[MicroBatch]:
 
 
 def plan_micro_batches(batch: Mapping[str, torch.Tensor], batching: MicroBatching) -> List[MicroBatch]:
-    """The micro-batches of ``batch`` under ``batching``."""
+    """The micro-batches of ``batch`` under ``batching``: each block of ``batching.mini_batch_rows``
+    consecutive rows planned on its own (its rows offset to the block's start), the blocks' plans
+    one after another; a block's plan is exactly the plan of that block as a batch of its own."""
     num_rows, width = batch["tokens"].shape
-    if num_rows == 0:
-        return []
-    if batching.max_tokens is None:
-        return plan_by_rows(num_rows, batching.rows, width)
-    return plan_by_tokens(row_lengths(batch), batching.max_tokens)
+    lengths = row_lengths(batch)
+    block = batching.mini_batch_rows or max(num_rows, 1)
+    plan: List[MicroBatch] = []
+    for start in range(0, num_rows, block):
+        end = min(start + block, num_rows)
+        if batching.max_tokens is None:
+            block_plan = plan_by_rows(end - start, batching.rows, width)
+        else:
+            block_plan = plan_by_tokens(lengths[start:end], batching.max_tokens)
+        plan.extend(MicroBatch(micro.rows + start, micro.width) for micro in block_plan)
+    return plan
 
 
 def with_empty_micro_batches(plan: List[MicroBatch], count: int) -> List[MicroBatch]:

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from typing import List
 
 import torch
+import torch.distributed as dist
+
+from quatro_nemo.megatron.compat import current_device
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,22 @@ def optimizer_step(ddp_model, optimizer) -> float:
     return float(grad_norm)
 
 
+def has_gradient(ddp_model) -> bool:
+    """Whether any entry of the DDP gradient buffers (``param.main_grad``) is non-zero on any rank
+    (one MAX all-reduce over all ranks), after the step's backward passes. False: the loss had no
+    gradient at all, and an optimizer step would move the weights by Adam's momentum and weight
+    decay alone. (Under the distributed optimizer a rank's buffer outside its shard keeps its own
+    unreduced gradient: still all zero exactly when every rank's gradient is.)"""
+    nonzero = torch.zeros((), dtype=torch.float32, device=current_device())
+    for param in inner_model(ddp_model).parameters():
+        grad = getattr(param, "main_grad", None)
+        if grad is not None:
+            nonzero += torch.count_nonzero(grad).to(nonzero.device, torch.float32).clamp(max=1.0)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(nonzero, op=dist.ReduceOp.MAX)
+    return bool(nonzero > 0)
+
+
 def zero_gradients(ddp_model, optimizer) -> None:
     """Zero the DDP gradient buffers and the optimizer's main gradients before a new step."""
     ddp_model.zero_grad_buffer()
@@ -138,6 +157,7 @@ def reload_training_state(ddp_model, optimizer) -> None:
 __all__: List[str] = [
     "OptimizerSettings",
     "build_optimizer",
+    "has_gradient",
     "inner_model",
     "offload_training_state",
     "optimizer_step",

@@ -311,6 +311,21 @@ def test_k3_clamp_caps_the_value_and_stops_the_gradient_of_wild_tokens():
         GPGConfig(kl_clamp=-1.0)
 
 
+def test_k3_without_cap_still_guards_the_log_ratio():
+    """``kl_clamp = 0`` removes the value cap, not the +-20 guard on r = ref - log pi: at r = 25
+    (and -25) k3 is exp(20) - 20 - 1 (exp(-20) + 20 - 1) by hand, with no gradient; at r = 15,
+    inside the guard, the bare formula and its gradient 1 - exp(15)."""
+    from quatro_nemo.algos.kl import k3_kl
+
+    logprobs = torch.tensor([-30.0, -1.0, -30.0], dtype=D, requires_grad=True)
+    r = torch.tensor([25.0, -25.0, 15.0], dtype=D)
+    kl = k3_kl(logprobs, logprobs.detach() + r, clamp=0.0)
+    kl.sum().backward()
+    expected = [math.exp(20) - 21, math.exp(-20) + 19, math.exp(15) - 16]
+    assert kl.tolist() == pytest.approx(expected, rel=1e-14)
+    assert logprobs.grad.tolist() == pytest.approx([0.0, 0.0, 1 - math.exp(15)], rel=1e-14, abs=0)
+
+
 def test_shape_and_config_errors():
     logprobs, old, _, mask, adv, _ = make_batch()
     with pytest.raises(ValueError, match="QuatroConfig"):
@@ -390,6 +405,59 @@ def test_all_padding_micro_batch_is_neutral(name):
             assert value.item() == float("inf"), key
         else:
             assert value.item() == 0.0, key
+
+
+def _poison_masked(values, mask):
+    """``values`` with NaN, -inf and +inf in turn at the masked positions (a row's padding)."""
+    poison = torch.tensor([float("nan"), float("-inf"), float("inf")], dtype=values.dtype)
+    fill = poison[torch.arange(values.numel()) % 3].view(values.shape)
+    return torch.where(mask.bool(), values.detach(), fill)
+
+
+def test_aggregation_ignores_nan_and_inf_at_masked_positions():
+    """Masked entries contribute exactly 0 in every mode, as the clean values' sums by hand show;
+    ``v * 0`` would be NaN."""
+    from quatro_nemo.algos.aggregation import aggregate_sequences, aggregate_tokens
+
+    values = torch.tensor([[1.0, 2.0, 4.0], [8.0, 16.0, 32.0]], dtype=D)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=D)
+    poisoned = _poison_masked(values, mask).requires_grad_(True)
+    normalizer = LossNormalizer(num_sequences=4, num_tokens=5.0)   # global counts: other ranks' rows too
+    expected = {"token-mean": (1 + 2 + 8) / 5, "seq-mean-token-mean": ((1 + 2) / 2 + 8 / 1) / 4,
+                "seq-mean-token-sum": (1 + 2 + 8) / 4}
+    for mode, value in expected.items():
+        poisoned.grad = None
+        result = aggregate_tokens(poisoned, mask, mode, normalizer)
+        result.backward()
+        assert result.item() == pytest.approx(value, rel=1e-15), mode
+        assert torch.isfinite(poisoned.grad).all() and (poisoned.grad[mask == 0] == 0).all(), mode
+    sequences = torch.tensor([3.0, float("nan"), float("-inf")], dtype=D)   # rows 1 and 2 have no tokens
+    row_mask = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=D)
+    assert aggregate_sequences(sequences, row_mask, normalizer).item() == pytest.approx(3.0 / 4, rel=1e-15)
+
+
+@pytest.mark.parametrize("name,overrides", LOSS_CASES, ids=[f"{n}-{sorted(o)}" for n, o in LOSS_CASES])
+def test_nan_and_inf_at_masked_positions_leave_every_loss_unchanged(name, overrides):
+    """NaN/-inf/+inf in the log-probs, old and reference log-probs and entropies wherever the mask
+    is 0 (an empty row included): the loss, its gradient and every metric equal the clean
+    batch's, and no gradient reaches a masked position."""
+    spec = get_algorithm(name)
+    config = spec.config_cls(**{"beta": 0.05, **overrides})
+    logprobs, old, ref, mask, adv, entropy = make_batch(num_seqs=10, length=7, seed=9, spread=0.5, empty_row=4)
+    normalizer = LossNormalizer.from_mask(mask)
+    clean_loss, clean_metrics = spec.policy_loss(logprobs, old, adv, mask, config, normalizer,
+                                                 ref_logprobs=ref, entropy=entropy)
+    clean_grad, = torch.autograd.grad(clean_loss, logprobs)
+    poisoned = _poison_masked(logprobs, mask).requires_grad_(True)
+    loss, metrics = spec.policy_loss(poisoned, _poison_masked(old, mask), adv, mask, config, normalizer,
+                                     ref_logprobs=_poison_masked(ref, mask), entropy=_poison_masked(entropy, mask))
+    grad, = torch.autograd.grad(loss, poisoned)
+    assert loss.item() == pytest.approx(clean_loss.item(), rel=1e-12, abs=1e-15)
+    torch.testing.assert_close(grad, clean_grad, rtol=1e-12, atol=1e-15)
+    assert (grad[mask == 0] == 0).all()
+    assert metrics.keys() == clean_metrics.keys()
+    for key, value in clean_metrics.items():
+        torch.testing.assert_close(metrics[key], value, rtol=1e-12, atol=1e-15, msg=key)
 
 
 def test_normalizer_rejects_non_positive_counts():

@@ -9,6 +9,7 @@ def test_prompt_stream_is_a_pure_function_of_the_step_and_covers_each_epoch_once
     flat = [i for s in steps for i in s]
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
     assert flat[:10] != list(range(10))                                        # shuffled
+    assert flat[:10] != flat[10:]                                              # reshuffled each epoch
     assert steps == [step_prompt_indices(s, batch, dataset, seed=3) for s in range(5)]  # no hidden state
     assert steps != [step_prompt_indices(s, batch, dataset, seed=4) for s in range(5)]
 

@@ -62,6 +62,23 @@ def test_plan_micro_batches_chooses_by_config():
     assert _rows_and_widths(plan_micro_batches(batch, MicroBatching(max_tokens=22))) == [([1, 2], 11), ([0, 3], 5)]
 
 
+def test_mini_batch_blocks_are_planned_each_on_their_own():
+    """Rows 0-3 and 4-7 (two mini-batches of 4) never share a micro-batch; each block's plan is the
+    hand-worked plan of those 4 rows alone, shifted to the block's rows."""
+    lengths = torch.tensor([5, 11, 11, 3, 12, 8, 3, 6])
+    batch = {"tokens": torch.zeros(8, 12, dtype=torch.long), "lengths": lengths}
+    by_tokens = plan_micro_batches(batch, MicroBatching(max_tokens=22, mini_batch_rows=4))
+    assert _rows_and_widths(by_tokens) == [([1, 2], 11), ([0, 3], 5), ([4], 12), ([5, 7], 8), ([6], 3)]
+    by_rows = plan_micro_batches(batch, MicroBatching(rows=3, mini_batch_rows=4))
+    assert _rows_and_widths(by_rows) == [([0, 1, 2], 12), ([3], 12), ([4, 5, 6], 12), ([7], 12)]
+    # a block longer than the batch: the whole batch, as without blocks
+    whole = MicroBatching(max_tokens=22)
+    assert (_rows_and_widths(plan_micro_batches(batch, MicroBatching(max_tokens=22, mini_batch_rows=16)))
+            == _rows_and_widths(plan_micro_batches(batch, whole)))
+    with pytest.raises(ValueError, match="mini_batch_rows"):
+        MicroBatching(mini_batch_rows=0)
+
+
 def test_row_lengths_default_and_validation():
     tokens = torch.zeros(3, 6, dtype=torch.long)
     assert row_lengths({"tokens": tokens}).tolist() == [6, 6, 6]
