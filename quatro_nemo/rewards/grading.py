@@ -17,10 +17,20 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 import multiprocessing
 import multiprocessing.connection
+import os
+import pickle
+import resource
+import select
+import struct
+import subprocess
 import sys
+import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 STATUS_OK = "ok"
@@ -204,3 +214,122 @@ class WorkerPool:
             self.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+# -- checks from many threads, each in a separate interpreter under its own time bound ----------
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_LENGTH = struct.Struct("!Q")
+_MAX_REPLY_BYTES = 1 << 20
+_READY = b"R"
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, min(size - len(data), 1 << 20))
+        if not chunk:
+            raise EOFError("checker process ended")
+        data += chunk
+    return data
+
+
+def _serve_checks(target: str, memory_bytes: int) -> None:
+    """Main loop of a checker process: requests (length-prefixed pickles of an argument tuple
+    from the trusted caller) on stdin, replies (length-prefixed JSON) on stdout."""
+    module_name, function_name = target.split(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    os.write(1, _READY)
+    while True:
+        try:
+            (size,) = _LENGTH.unpack(_read_exactly(0, _LENGTH.size))
+        except EOFError:
+            return
+        args = pickle.loads(_read_exactly(0, size))
+        try:
+            reply = [STATUS_OK, function(*args)]
+        except Exception as err:  # noqa: BLE001 - any failure of one check is that check's result
+            reply = [STATUS_ERROR, f"{type(err).__name__}: {err}"[:500]]
+        data = json.dumps(reply).encode()
+        os.write(1, _LENGTH.pack(len(data)) + data)
+
+
+class _CheckerProcess:
+    def __init__(self, target: str, memory_bytes: int, startup_timeout_s: float):
+        code = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); from quatro_nemo.rewards.grading import "
+                f"_serve_checks; _serve_checks({target!r}, {memory_bytes})")
+        # A fresh interpreter (fork + exec in C): the caller, which may hold CUDA, is never forked.
+        self.process = subprocess.Popen([sys.executable, "-I", "-c", code], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, close_fds=True)
+        # Imports are not the first check's time: wait for the process to say it is ready.
+        out = self.process.stdout.fileno()
+        if not (select.select([out], [], [], startup_timeout_s)[0] and os.read(out, 1) == _READY):
+            self.kill()
+            raise RuntimeError(f"checker process for {target} not ready within {startup_timeout_s:g} s")
+
+    def call(self, args: Tuple[Any, ...], timeout_s: float) -> CheckResult:
+        start = time.perf_counter()
+        request = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
+        out = self.process.stdout.fileno()
+        try:
+            self.process.stdin.write(_LENGTH.pack(len(request)) + request)
+            self.process.stdin.flush()
+            if not select.select([out], [], [], timeout_s)[0]:
+                return CheckResult(STATUS_TIMEOUT, None, f"no result within {timeout_s:g} s",
+                                   time.perf_counter() - start)
+            (size,) = _LENGTH.unpack(_read_exactly(out, _LENGTH.size))
+            if size > _MAX_REPLY_BYTES:
+                raise EOFError(f"reply of {size} bytes")
+            status, value = json.loads(_read_exactly(out, size))
+        except (OSError, EOFError, ValueError) as err:
+            return CheckResult(STATUS_CRASH, None, f"checker process failed: {err}", time.perf_counter() - start)
+        return CheckResult(status, value if status == STATUS_OK else None, "" if status == STATUS_OK else value,
+                           time.perf_counter() - start)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.process.stdin.close()
+        self.process.stdout.close()
+
+
+class CheckerProcesses:
+    """Runs ``target`` ("module:function", a module-level function of this package whose result
+    is JSON data) in separate interpreters, one call at a time per process, callable from many
+    threads at once. Each call has its own wall-clock bound (``timeout_s``: the process is killed
+    and the call's status is "timeout") and the processes their own address-space limit, so a
+    check that is slow or large on hostile data stalls neither the caller's interpreter (its
+    GIL, the other threads' timers) nor its memory. Processes start on demand (one per
+    concurrent caller at most) and are reused."""
+
+    def __init__(self, target: str, timeout_s: float = 10.0, memory_bytes: int = 2 << 30,
+                 startup_timeout_s: float = 120.0):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.target, self.timeout_s, self.memory_bytes = target, float(timeout_s), int(memory_bytes)
+        self.startup_timeout_s = startup_timeout_s
+        self._idle: List[_CheckerProcess] = []
+        self._lock = threading.Lock()
+        weakref.finalize(self, _kill_all, self._idle)
+
+    def call(self, *args: Any) -> CheckResult:
+        with self._lock:
+            checker = self._idle.pop() if self._idle else None
+        if checker is None:
+            checker = _CheckerProcess(self.target, self.memory_bytes, self.startup_timeout_s)
+        result = checker.call(args, self.timeout_s)
+        if result.status in (STATUS_OK, STATUS_ERROR):
+            with self._lock:
+                self._idle.append(checker)
+        else:
+            checker.kill()
+        return result
+
+    def close(self) -> None:
+        with self._lock:
+            _kill_all(self._idle)
+
+
+def _kill_all(checkers: List[_CheckerProcess]) -> None:
+    while checkers:
+        checkers.pop().kill()

@@ -181,6 +181,51 @@ def _bind_names(names, namespace, program) -> None:
         namespace[name] = _StdlibModule(name) if name in stdlib else _proxy(program, name)
 
 
+# numpy comparisons that broadcast: an empty or wrongly shaped answer would pass them (EvalPlus's
+# ``assertion`` calls assert_allclose; ``assert_allclose([], 2.5)`` compares nothing and passes).
+_ASSERTING_NUMPY_COMPARISONS = ("testing.assert_allclose", "testing.assert_array_almost_equal",
+                                "testing.assert_almost_equal", "testing.assert_array_equal",
+                                "testing.assert_array_less")
+_BOOLEAN_NUMPY_COMPARISONS = ("allclose", "isclose", "array_equiv")
+_NUMERIC_KINDS = "iufc"                   # numpy dtype kinds: int, unsigned, float, complex
+
+
+def _comparable(numpy, actual, desired) -> bool:
+    """Same shape, and numbers where numbers are expected (a bool only for a bool)."""
+    actual, desired = numpy.asarray(actual), numpy.asarray(desired)
+    if actual.shape != desired.shape:
+        return False
+    if desired.dtype.kind in _NUMERIC_KINDS:
+        return actual.dtype.kind in _NUMERIC_KINDS
+    return actual.dtype.kind == desired.dtype.kind
+
+
+def _strict_numpy_comparisons() -> None:
+    """Make the broadcasting comparisons above check shape and type before tolerance: the
+    asserting ones raise AssertionError, the boolean ones return False. (The judge's own numpy:
+    the program's process is another one.)"""
+    import numpy
+
+    def strict(owner, name, asserting):
+        original = getattr(owner, name)
+
+        def compare(*args, **kwargs):
+            if len(args) >= 2 and not _comparable(numpy, args[0], args[1]):
+                if asserting:
+                    raise AssertionError(f"{name}: shapes or types differ")
+                return numpy.False_
+            return original(*args, **kwargs)
+
+        setattr(owner, name, compare)
+
+    for path in _ASSERTING_NUMPY_COMPARISONS + _BOOLEAN_NUMPY_COMPARISONS:
+        *parents, name = path.split(".")
+        owner = numpy
+        for parent in parents:
+            owner = getattr(owner, parent)
+        strict(owner, name, path in _ASSERTING_NUMPY_COMPARISONS)
+
+
 def _run_case(code, namespace, program) -> dict:
     try:
         exec(code, namespace)
@@ -207,9 +252,12 @@ def main() -> None:
     if hasattr(sys, "set_int_max_str_digits"):
         sys.set_int_max_str_digits(0)
     namespace = {"__name__": "__main__"}
-    for source in (tests.get("prelude", ""), tests.get("setup", "")):
-        exec(compile(source, "<tests>", "exec"), namespace)
+    preamble = [compile(tests.get(part, ""), "<tests>", "exec") for part in ("prelude", "setup")]
     codes = [compile(case, f"<case {index}>", "exec") for index, case in enumerate(tests["cases"])]
+    if any(name == "numpy" or name.startswith("numpy.") for name in set().union(*map(_global_names, preamble + codes))):
+        _strict_numpy_comparisons()
+    for code in preamble:
+        exec(code, namespace)
     _bind_names(_names_to_provide(codes, namespace, tests.get("entry_point")), namespace, program)
     for index, code in enumerate(codes):
         verdict = dict(case=index, **_run_case(code, namespace, program))

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import select
 import shutil
@@ -205,10 +206,11 @@ class Sandbox:
                  "--chdir", "/sandbox", "--"]
         return args
 
-    def _limit_args(self, cpu_time_s: int) -> List[str]:
+    def _limit_args(self, cpu_time_s: float) -> List[str]:
         cfg = self.config
+        cpu_rlimit = max(1, math.ceil(cpu_time_s))
         return [self._prlimit,
-                f"--cpu={cpu_time_s}:{cpu_time_s + 1}",
+                f"--cpu={cpu_rlimit}:{cpu_rlimit + 1}",
                 f"--as={cfg.memory_bytes}",
                 f"--fsize={cfg.max_output_bytes + 1}",    # one byte more: an attempt is visible
                 f"--nproc={cfg.max_processes}",
@@ -218,7 +220,7 @@ class Sandbox:
     # -- execution ----------------------------------------------------------------------------
     def run(self, program: str, stdin: str = "", files: Optional[Dict[str, str]] = None,
             argv: Optional[List[str]] = None, timeout_s: Optional[float] = None,
-            cpu_time_s: Optional[int] = None) -> ExecutionResult:
+            cpu_time_s: Optional[float] = None) -> ExecutionResult:
         """Run `program` (Python source) with `stdin`; `files` (name -> text) sit next to it in /code.
 
         The program's working directory is an empty tmpfs, discarded afterwards. Returns its exit
@@ -239,12 +241,12 @@ class Sandbox:
                 if os.sep in name or name.startswith("."):
                     raise ValueError(f"sandbox file name {name!r} must be a plain file name")
                 path = os.path.join(code_dir, name)
-                with open(path, "w", encoding="utf-8") as f:
-                    f.write(text)
+                with open(path, "wb") as f:
+                    f.write(_utf8(text))
                 os.chmod(path, 0o644)
             paths = {k: os.path.join(host_dir, k) for k in ("stdin", "stdout", "stderr")}
-            with open(paths["stdin"], "w", encoding="utf-8") as f:
-                f.write(stdin)
+            with open(paths["stdin"], "wb") as f:
+                f.write(_utf8(stdin))
             with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, \
                     open(paths["stderr"], "wb") as ferr:
                 returncode, timed_out, cpu_s, wall_s = self._execute(code_dir, fin, fout, ferr, argv or [],
@@ -346,6 +348,13 @@ def _kill_sandbox(pid1: Optional[int], bwrap_pid: int) -> None:
         os.killpg(bwrap_pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _utf8(text: str) -> bytes:
+    """UTF-8 of `text`; a lone surrogate (valid in a str, e.g. from a model's response) is
+    written as its three bytes (invalid UTF-8, which the program then meets) instead of raising
+    UnicodeEncodeError in the trainer."""
+    return text.encode("utf-8", "surrogatepass")
 
 
 def _read_bounded(path: str, limit: int) -> str:

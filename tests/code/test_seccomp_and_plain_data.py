@@ -88,7 +88,10 @@ def test_plain_data_encoder_reduces_subclasses_and_refuses_objects():
     '{"c": ["1", 2]}',                   # not numbers
     '{"t": 5}',                          # payload of the wrong type
     "[" * 100000 + "]" * 100000,         # deeper than the interpreter's recursion limit
-    "1" * 5000,                          # an int beyond CPython's digit limit
+    "[" * 65 + "]" * 65,                 # deeper than plain_data.MAX_DEPTH
+    "1" * 100_001,                       # more digits than plain_data.MAX_INT_DIGITS
+    '{"c": [1' + "0" * 400 + ', 0]}',    # a complex part beyond float (OverflowError)
+    "0." + "1" * 5000,                   # a float literal longer than MAX_FLOAT_CHARS
     "not json",
 ])
 def test_plain_data_decoder_refuses_anything_else(text):
