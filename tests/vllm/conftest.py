@@ -25,8 +25,9 @@ SMALL = [
     "eval.num_problems=4", "eval.n_samples=4", "logging.tensorboard=false", "run.progress_bar=false",
 ]
 # The engine's log-probs of the sampled tokens against megatron's recomputation, float32 on both
-# sides (measured ~1e-7 mean, ~3e-5 max per token); a stale or wrong push is off by nats.
-GAP_TOKEN_MAX = 1e-3
+# sides (measured ~1e-7 mean; per token ~3e-5 at most on a random model, 3e-3 on a warm-started one,
+# whose peaked distributions magnify logit noise); a stale or wrong push is off by nats.
+GAP_TOKEN_MAX = 1e-2
 GAP_TOKEN_MEAN = 1e-4
 
 
