@@ -8,6 +8,10 @@
 #   cluster.txt  .venv-cluster, Python 3.12 (scripts/setup_cluster_env.sh), with the replacements
 #                of requirements/cluster-overrides.txt
 #   aligner.txt  .venv-aligner, Python 3.11 (scripts/setup_aligner_env.sh)
+#   image.txt    the project's pure-Python set in the GPU image (Dockerfile, engine stack, Python
+#                3.12) at the pins of cluster.txt, less what the image's stack provides
+#                (requirements/image-overrides.txt); image-aligner.txt the same for the aligner
+#                stack (Python 3.10)
 #   uv.txt       the installer itself
 # The CPU torch of Python 3.11 (torch==2.13.0+cpu) is the wheel in /opt/wheels on these machines,
 # not on PyPI; its locks name that folder (--find-links) and the wheel's hash. Uses $UV, else
@@ -32,6 +36,10 @@ compile 3.11 --find-links "$WHEELS" --emit-find-links -c requirements/locks/cpu.
     requirements/core.txt -o requirements/locks/train.txt
 compile 3.12 --override requirements/cluster-overrides.txt requirements/cluster.txt \
     -o requirements/locks/cluster.txt
+compile 3.12 --override requirements/image-overrides.txt -c requirements/locks/cluster.txt \
+    requirements/image.txt -o requirements/locks/image.txt
+compile 3.10 --override requirements/image-overrides.txt requirements/image.txt \
+    -o requirements/locks/image-aligner.txt
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
     compile 3.11 --config-file requirements/aligner-uv.toml --find-links "$WHEELS" --emit-find-links \
     requirements/aligner.txt -o requirements/locks/aligner.txt

@@ -5,7 +5,7 @@
 # Installs requirements/locks/cluster.txt (scripts/lock.sh writes it from requirements/cluster.txt
 # and cluster-overrides.txt). Cached: reinstalls only when the lock or the scripts changed.
 # CLUSTER_VENV chooses the path, PYTHON the interpreter (else python3.12 on PATH or in pyenv).
-# First build: ~4 GB, a few minutes with a cold download cache (docs/development.md).
+# First build: 6.3 GB, under a minute to a few minutes (docs/cluster.md, "Environments").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/env.sh
