@@ -20,8 +20,7 @@ stamp_of() {
 }
 want=$(stamp_of "$lock")
 if [ "$(cat ".venv/.quatro-$profile.sha" 2>/dev/null)" != "$want" ]; then
-    python=$(find_python 3.11)
-    install_lock .venv "$lock"
+    install_lock .venv "$lock" 3.11
     .venv/bin/uv pip install -q --python .venv/bin/python --no-deps -e .
     echo "$want" > ".venv/.quatro-$profile.sha"
     # the test lock is a superset of the training one, at the same pins

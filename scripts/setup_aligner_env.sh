@@ -17,11 +17,10 @@ want=$(fingerprint "$lock" requirements/locks/uv.txt requirements/aligner-uv.tom
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     exit 0
 fi
-python=$(find_python 3.11)
 # mamba-ssm (a hard NeMo import) has no CPU wheel: its Python part is built from the sdist, with
 # the build dependencies of requirements/aligner-uv.toml.
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE \
-    install_lock "$VENV" "$lock" --config-file requirements/aligner-uv.toml
+    install_lock "$VENV" "$lock" 3.11 --config-file requirements/aligner-uv.toml
 # quatro_nemo from this checkout, without installing anything into the source tree.
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 pwd > "$site/quatro_nemo_checkout.pth"

@@ -17,8 +17,7 @@ want=$(fingerprint "$lock" requirements/locks/uv.txt scripts/lib/env.sh scripts/
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     exit 0
 fi
-python=$(find_python 3.12)
-install_lock "$VENV" "$lock"
+install_lock "$VENV" "$lock" 3.12
 # quatro_nemo from this checkout, without installing anything into the source tree.
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 pwd > "$site/quatro_nemo_checkout.pth"

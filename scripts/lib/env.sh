@@ -31,14 +31,17 @@ fingerprint() {
     cat "$@" | sha256sum | cut -d' ' -f1
 }
 
-# install_lock VENV LOCK: make VENV (with $python, set by the caller) if missing, put uv in it from
+# install_lock VENV LOCK VERSION: make VENV with Python VERSION if missing, put uv in it from
 # requirements/locks/uv.txt (pip, hash-checked), then install every pinned, hash-checked package
 # of LOCK with uv. --no-deps: the lock is complete, and it may override a pin of a package
 # (requirements/cluster-overrides.txt) that a dependency check would reinstate.
 install_lock() {
-    local venv=$1 lock=$2
-    shift 2
-    [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+    local venv=$1 lock=$2 version=$3 python
+    shift 3
+    if [ ! -x "$venv/bin/python" ]; then
+        python=$(find_python "$version")
+        "$python" -m venv "$venv"
+    fi
     "$venv/bin/python" -m pip install -q --require-hashes --no-deps -r requirements/locks/uv.txt
     "$venv/bin/uv" pip install -q --python "$venv/bin/python" --require-hashes --no-deps -r "$lock" "$@"
 }
