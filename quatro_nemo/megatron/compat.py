@@ -1,8 +1,8 @@
-"""Run megatron-core on CPU over gloo: the five workarounds, in one place.
+"""Run megatron-core on CPU over gloo: the six workarounds, in one place.
 
 megatron-core assumes CUDA in a few spots that have nothing to do with the maths. On a machine
 without CUDA (the CPU tests and the embedded CPU default), :func:`apply_cpu_compat` patches
-exactly these five, each shown necessary by switching it off (``docs/stack-facts.md``):
+exactly these six, each shown necessary by switching it off (``docs/stack-facts.md``):
 
 1. **Device of new tensors.** Megatron allocates with ``device=torch.cuda.current_device()``
    (attention buffers, RoPE, p2p shape tensors, TP gather outputs). ``torch.cuda.current_device``
@@ -24,6 +24,11 @@ exactly these five, each shown necessary by switching it off (``docs/stack-facts
    ``clip_grads.py``). The same mode makes the no-argument ``Tensor.type()`` of a CPU tensor
    report the ``torch.cuda.*`` name (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``);
    ``Tensor.type(dtype)`` conversions are untouched.
+6. **CUDA streams.** megatron-core 0.19's gradient sync (``param_and_grad_buffer.py``,
+   ``start_grad_sync``) asks ``torch.cuda.current_stream()`` unconditionally, to wait for CUDA-graph
+   events. ``torch.cuda.current_stream`` is made to return torch's own CPU stream
+   (``torch.cpu.current_stream()``, whose ``wait_event``/``wait_stream``/``record_event`` do
+   nothing): CPU work is synchronous. (0.16.1 never asks for a stream without overlap.)
 
 Nothing is patched when CUDA is available, and applying twice changes nothing. No other module
 of ``quatro_nemo`` may special-case the CPU: call :func:`apply_cpu_compat` (``initialize_parallel``
@@ -96,7 +101,7 @@ def _cpu_manual_seed(seed: int) -> None:
 
 
 def apply_cpu_compat() -> bool:
-    """Apply the five CPU workarounds when CUDA is unavailable. Idempotent.
+    """Apply the six CPU workarounds when CUDA is unavailable. Idempotent.
 
     Returns True when the workarounds are (now or already) in effect, False when CUDA is
     available and nothing was patched.
@@ -128,6 +133,9 @@ def apply_cpu_compat() -> bool:
 
     # 4. p2p's torch.cuda.synchronize() does nothing on the CPU.
     torch.cuda.synchronize = lambda *args, **kwargs: None
+
+    # 6. The current CUDA stream is torch's no-op CPU stream.
+    torch.cuda.current_stream = lambda *args, **kwargs: torch.cpu.current_stream()
 
     _APPLIED = True
     return True

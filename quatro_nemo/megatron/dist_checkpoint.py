@@ -11,7 +11,7 @@ writes the shards it owns, rank 0 the metadata). It holds
 - ``common``: small picklable state that is the same on every rank (loop position, optimizer
   step count), saved once.
 
-megatron-core 0.16.1 needs small fixes on the path a machine without Transformer Engine or apex
+megatron-core 0.16.1 to 0.19.2 need small fixes on the path a machine without Transformer Engine or apex
 takes (the CPU); they live in :mod:`quatro_nemo.megatron.mcore_fixes`.
 """
 from __future__ import annotations

@@ -14,7 +14,8 @@ The layer spec is megatron-core's local (pure PyTorch) spec unless Transformer E
 then exact slices of the TP=1 weights, which the equivalence tests rely on. With CUDA they are
 created on the GPU. bf16/fp16 models come wrapped in megatron's ``Float16Module``.
 
-Differences between megatron-core versions (0.10 in the NeMo-Aligner container, 0.16 here) are
+Differences between megatron-core versions (0.10 in the NeMo-Aligner container, 0.16.1 in .venv,
+0.19 in .venv-cluster and the image) are
 handled only in :func:`_layer_spec` and :func:`_transformer_config_kwargs`.
 
 :func:`global_parameter_name` names this rank's parameters as in the full (TP=1, PP=1) model;
@@ -129,7 +130,7 @@ def transformer_engine_available() -> bool:
 
 
 def _layer_spec(cfg: ModelConfig, use_transformer_engine: bool):
-    """The layer spec; the one place that knows megatron-core's spec signatures (0.10 .. 0.16)."""
+    """The layer spec; the one place that knows megatron-core's spec signatures (0.10 .. 0.19)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_transformer_engine:

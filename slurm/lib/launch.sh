@@ -14,12 +14,23 @@
 # checkout mounted into the container runs its own code with the image's dependencies.
 # Python: $QUATRO_PYTHON, else the repository's .venv, else python3. Recipe names are looked up
 # in $QUATRO_RECIPES_DIR (default: the repository's recipes/).
+# In an NGC-based image (docs/cluster.md) it first runs itself through NGC's entrypoint,
+# $QUATRO_NGC_ENTRYPOINT (default /opt/nvidia/nvidia_entrypoint.sh, when it exists), once: that
+# entrypoint puts CUDA's forward-compatibility libraries on the library path when the host driver
+# is older than the image's CUDA. `docker run` would run it as the image's entrypoint, but pyxis
+# (srun --container-image) runs no entrypoint unless asked (--container-entrypoint).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 RECIPES=${QUATRO_RECIPES_DIR:-$ROOT/recipes}
 
 die() { echo "launch.sh: $*" >&2; exit 2; }
+
+ngc_entrypoint=${QUATRO_NGC_ENTRYPOINT:-/opt/nvidia/nvidia_entrypoint.sh}
+if [ -z "${QUATRO_NGC_ENTRYPOINT_DONE:-}" ] && [ -x "$ngc_entrypoint" ]; then
+    export QUATRO_NGC_ENTRYPOINT_DONE=1
+    exec "$ngc_entrypoint" "${BASH_SOURCE[0]}" "$@"
+fi
 
 [ $# -ge 1 ] || die "usage: launch.sh RECIPE [key=value ...] (RECIPE: a script name in $RECIPES, or a .py path)"
 recipe=$1

@@ -40,6 +40,9 @@ def _check_cpu_compat(rank):
     first = torch.rand(3)
     torch.cuda.manual_seed(5)
     assert torch.equal(first, torch.rand(3))
+    stream = torch.cuda.current_stream()  # megatron-core 0.19's gradient sync waits on it
+    stream.wait_stream(stream)
+    stream.wait_event(stream.record_event())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU workarounds apply only without CUDA")

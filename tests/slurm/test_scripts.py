@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TEMPLATES = ["slurm/quatro_1p5b.sh", "slurm/quatro_7b.sh", "slurm/eval.sh"]
 SHELL_SCRIPTS = TEMPLATES + ["slurm/quatro_aligner.sh", "slurm/sweep.sh", "slurm/lib/common.sh",
-                             "slurm/lib/launch.sh", "scripts/slurm_local.sh"]
+                             "slurm/lib/launch.sh", "scripts/slurm_local.sh", "scripts/bootstrap.sh",
+                             "scripts/setup_cluster_env.sh", "scripts/setup_aligner_env.sh", "scripts/lock.sh"]
 
 
 def tool(name: str) -> str:
@@ -103,7 +104,7 @@ def recipes_dir(tmp_path):
 def launch(recipes_dir, *args, **env):
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                                        "MASTER_", "QUATRO_CACHE_DIR", "TRITON_",
-                                                                       "TORCHINDUCTOR_", "VLLM_"))}
+                                                                       "TORCHINDUCTOR_", "VLLM_", "QUATRO_NGC_"))}
     return subprocess.run(["bash", str(ROOT / "slurm/lib/launch.sh"), *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=60,
                           env={**clean, "QUATRO_RECIPES_DIR": str(recipes_dir), **env})
@@ -145,6 +146,22 @@ def test_launch_refuses_a_multi_rank_step_without_rendezvous(recipes_dir):
                     SLURM_LOCALID="1")
     assert result.returncode == 2
     assert "MASTER_ADDR/MASTER_PORT not set" in result.stderr
+
+
+def test_launch_chains_the_ngc_entrypoint_once_before_the_recipe(recipes_dir, tmp_path):
+    # NGC's entrypoint loads CUDA's forward-compatibility libraries on an older driver; pyxis does
+    # not run an image's entrypoint, so launch.sh runs itself through it (once: no loop).
+    entrypoint = tmp_path / "nvidia_entrypoint.sh"
+    entrypoint.write_text(f'#!/bin/bash\necho ran >> {tmp_path}/entrypoint.log\n'
+                          'export LD_LIBRARY_PATH=/usr/local/cuda/compat/lib\nexec "$@"\n')
+    entrypoint.chmod(0o755)
+    (recipes_dir / "show.py").write_text("import os, sys; print(os.environ['LD_LIBRARY_PATH'], *sys.argv[1:])")
+    result = launch(recipes_dir, "show", "algorithm.delta=0.05", QUATRO_NGC_ENTRYPOINT=str(entrypoint))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["/usr/local/cuda/compat/lib", "algorithm.delta=0.05"]
+    assert (tmp_path / "entrypoint.log").read_text() == "ran\n"
+    command = launch(recipes_dir, "bash", "-c", "echo $LD_LIBRARY_PATH", QUATRO_NGC_ENTRYPOINT=str(entrypoint))
+    assert command.stdout.strip() == "/usr/local/cuda/compat/lib"  # plain commands too
 
 
 def test_launch_names_a_missing_recipe_and_runs_plain_commands(recipes_dir):
