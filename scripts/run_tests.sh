@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The project's one test command (README and .ci/run call it): installs what the tests need,
-# runs the main suite in .venv, then builds (or reuses) the real-vLLM environment .venv-vllm and
-# runs tests/vllm in it (scripts/setup_vllm_env.sh: vLLM's CPU build through recipes/train.py),
-# then the NeMo-Aligner environment .venv-aligner and tests/aligner in it
+# runs the main suite in .venv (Python 3.11, megatron-core 0.16.1), then builds (or reuses) the
+# cluster environment .venv-cluster (scripts/setup_cluster_env.sh: Python 3.12, megatron-core
+# 0.19, vLLM's CPU build) and runs tests/vllm (the real engine through recipes/train.py),
+# tests/megatron and tests/conversion in it, then the NeMo-Aligner environment .venv-aligner and
+# tests/aligner in it
 # (scripts/test_aligner.sh, docs/aligner.md). Exit 0 only if every suite passes; their closing
 # pytest lines are repeated at the end.
 # Extra arguments go to the main suite's pytest, and then only the main suite runs (the aligner
-# suite alone: bash scripts/test_aligner.sh [pytest arguments]).
+# suite alone: bash scripts/test_aligner.sh [pytest arguments]; the cluster suite alone:
+# bash scripts/setup_cluster_env.sh && .venv-cluster/bin/python -m pytest tests/vllm ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh test
@@ -26,14 +29,16 @@ trap 'rm -rf "$logs"' EXIT
 main_rc=0
 .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" "$@" 2>&1 | tee "$logs/main" || main_rc=$?
 if [ $# -gt 0 ]; then
-    echo "run_tests.sh: pytest arguments given: only the main suite ran (aligner suite: bash scripts/test_aligner.sh)"
+    echo "run_tests.sh: pytest arguments given: only the main suite ran (see this script's header for the others)"
     exit "$main_rc"
 fi
 
-vllm_start=$SECONDS
-vllm_rc=0
-{ bash scripts/setup_vllm_env.sh && .venv-vllm/bin/python -m pytest tests/vllm; } 2>&1 | tee "$logs/vllm" || vllm_rc=$?
-vllm_seconds=$((SECONDS - vllm_start))
+cluster_start=$SECONDS
+cluster_rc=0
+{ bash scripts/setup_cluster_env.sh \
+    && .venv-cluster/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" tests/vllm tests/megatron tests/conversion; } \
+    2>&1 | tee "$logs/cluster" || cluster_rc=$?
+cluster_seconds=$((SECONDS - cluster_start))
 
 aligner_start=$SECONDS
 aligner_rc=0
@@ -41,8 +46,8 @@ bash scripts/test_aligner.sh 2>&1 | tee "$logs/aligner" || aligner_rc=$?
 aligner_seconds=$((SECONDS - aligner_start))
 
 echo "run_tests.sh: main suite (.venv):            $(tail -n 1 "$logs/main") exit $main_rc"
-echo "run_tests.sh: real-vLLM suite (.venv-vllm):  $(tail -n 1 "$logs/vllm") exit $vllm_rc" \
-     "(${vllm_seconds} s with the environment build/check)"
+echo "run_tests.sh: cluster suite (.venv-cluster): $(tail -n 1 "$logs/cluster") exit $cluster_rc" \
+     "(${cluster_seconds} s with the environment build/check)"
 echo "run_tests.sh: aligner suite (.venv-aligner): $(tail -n 1 "$logs/aligner") exit $aligner_rc" \
      "(${aligner_seconds} s with the environment build/check)"
-[ "$main_rc" -eq 0 ] && [ "$vllm_rc" -eq 0 ] && [ "$aligner_rc" -eq 0 ]
+[ "$main_rc" -eq 0 ] && [ "$cluster_rc" -eq 0 ] && [ "$aligner_rc" -eq 0 ]

