@@ -10,15 +10,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib/env.sh
 source scripts/lib/env.sh
-VENV=${CLUSTER_VENV:-.venv-cluster}
-lock=requirements/locks/cluster.txt
-stamp="$VENV/.quatro-cluster.sha"
-want=$(fingerprint "$lock" requirements/locks/uv.txt scripts/lib/env.sh scripts/setup_cluster_env.sh)
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
-    exit 0
-fi
-install_lock "$VENV" "$lock" 3.12
-# quatro_nemo from this checkout, without installing anything into the source tree.
-site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-pwd > "$site/quatro_nemo_checkout.pth"
-echo "$want" > "$stamp"
+checkout_env "${CLUSTER_VENV:-.venv-cluster}" requirements/locks/cluster.txt 3.12 .quatro-cluster.sha

@@ -45,3 +45,24 @@ install_lock() {
     "$venv/bin/python" -m pip install -q --require-hashes --no-deps -r requirements/locks/uv.txt
     "$venv/bin/uv" pip install -q --python "$venv/bin/python" --require-hashes --no-deps -r "$lock" "$@"
 }
+
+# checkout_env VENV LOCK VERSION STAMP [uv arguments]: an environment that runs this checkout's
+# quatro_nemo (a .pth file, nothing installed into the source tree), built from LOCK unless the
+# stamp file VENV/STAMP says that LOCK, the scripts and any file among the uv arguments are
+# unchanged since the last build (then < 1 s).
+checkout_env() {
+    local venv=$1 lock=$2 version=$3 stamp=$1/$4 want site argument
+    local inputs=("$lock" requirements/locks/uv.txt scripts/lib/env.sh "scripts/$(basename "$0")")
+    shift 4
+    for argument in "$@"; do
+        if [ -f "$argument" ]; then inputs+=("$argument"); fi
+    done
+    want=$(fingerprint "${inputs[@]}")
+    if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+        return 0
+    fi
+    install_lock "$venv" "$lock" "$version" "$@"
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    pwd > "$site/quatro_nemo_checkout.pth"
+    echo "$want" > "$stamp"
+}
