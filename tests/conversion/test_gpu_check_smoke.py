@@ -23,7 +23,9 @@ TINY_CPU = ["trainer.device=cpu", "model.vocab_size=32", "model.hidden_size=128"
 
 
 def gpu_check(tmp_path, backends=None, **extra_env):
-    env = dict(os.environ, OMP_NUM_THREADS="1", GPU_CHECK_DIR=str(tmp_path / "check"), **extra_env)
+    # the script runs in the test's own environment (.venv, or .venv-cluster where vLLM is)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GPU_CHECK_DIR": str(tmp_path / "check"), "PYTHON": sys.executable,
+           **extra_env}
     env.pop("OUT", None)
     env.pop("PYTHONPATH", None)
     if backends:

@@ -4,8 +4,6 @@ vLLM backends, recipes/train.py for 2 steps, then again for 3 (resuming from the
 checkpoint), the planner's figures beside the measurements, and the summary line."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from tests.conversion.test_gpu_check_smoke import gpu_check
@@ -14,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_gpu_check_trains_resumes_and_reports_both_backends_with_the_real_engine(tmp_path):
-    done, result = gpu_check(tmp_path, backends="megatron vllm", PYTHON=sys.executable)
+    done, result = gpu_check(tmp_path, backends="megatron vllm")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert result["failures"] == [] and result["skipped"] == {}
     assert result["plan"]["train_phase_gb"] > 0 and result["plan"]["rollout_phase_gb"] > 0
