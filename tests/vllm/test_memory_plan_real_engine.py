@@ -60,4 +60,8 @@ def test_the_weights_term_is_what_the_engine_holds(measured):
     grown = measured["8 layers, 0.25 GB"] - measured["4 layers, 0.25 GB"]
     planned = (planned_engine_gb(8, 0.25) - planned_engine_gb(4, 0.25)) * GB  # four layers of float32 weights
     assert planned > 40e6
-    assert grown == pytest.approx(planned, rel=0.15, abs=8e6), (grown, planned)
+    # the weights, never less; plus what vLLM keeps per layer beyond them on the CPU (attention
+    # metadata, its profiling run's buffers: measured +10% with Python 3.11 and +22% with 3.12),
+    # which the plan's fixed vllm.activation_reserve_gb covers. Half the bytes (bf16 planned for a
+    # float32 engine) or a missing layer term fails.
+    assert 0.95 * planned <= grown <= 1.3 * planned, (grown, planned)
