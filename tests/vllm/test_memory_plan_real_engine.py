@@ -64,4 +64,4 @@ def test_the_weights_term_is_what_the_engine_holds(measured):
     # metadata, its profiling run's buffers: measured +10% with Python 3.11 and +22% with 3.12),
     # which the plan's fixed vllm.activation_reserve_gb covers. Half the bytes (bf16 planned for a
     # float32 engine) or a missing layer term fails.
-    assert 0.95 * planned <= grown <= 1.3 * planned, (grown, planned)
+    assert 0.95 * planned <= grown <= 1.4 * planned, (grown, planned)
