@@ -131,7 +131,7 @@ def test_checks_have_their_own_time_bound():
 
 
 # Protection: the judge's numpy comparisons check shape and type before tolerance.
-def test_empty_or_misshaped_float_answers_fail(sandbox):
+def test_empty_or_misshaped_float_answers_fail(verifier):
     with open(os.path.join(FIXTURES, "hub_rows.json")) as f:
         rows = json.load(f)
     humaneval_plus = DATASETS["humaneval_plus"].convert_row(rows["humaneval_plus"][0], 0)
@@ -146,7 +146,6 @@ def test_empty_or_misshaped_float_answers_fail(sandbox):
         (allclose, "def half(x):\n    return [[x / 2]]", 0.0),
         (allclose, "def half(x):\n    return x / 2", 1.0),
     ]
-    verifier = CodeVerifier(sandbox=sandbox, reward="fraction", num_workers=2)
     assert verifier.score_batch([c[0] for c in cases], [_program(c[1]) for c in cases]) == [c[2] for c in cases]
 
 
