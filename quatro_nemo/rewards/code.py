@@ -20,7 +20,10 @@ of three forms. In all three the verdict is computed where the program cannot re
 The cases of one response share one run (and one program process) for "call" and "function";
 that run's wall and CPU limits are the configured ones times its number of cases. When the
 program's process ends or is killed at case k, case k gets that status and, in "fraction" mode,
-cases after k run in a fresh sandbox.
+cases after k run in a fresh sandbox with what is left of the response's one budget (_Budget).
+The program's output is judged by ``check_output`` in a checker process with its own time bound
+(docs/sandbox.md, "The trainer's own checking code"); an output the decoder refuses is
+"invalid_output", never an exception.
 
 Reward (``score_batch``): ``"pass"`` gives 1.0 when every case passes, else 0.0 (the paper's
 Pass@k grading; stops at the first failing case); ``"fraction"`` gives the fraction of cases
@@ -178,7 +181,8 @@ class CodeGrade:
 
     passed: int                       # cases passed
     total: int                        # cases in the problem
-    statuses: List[str]               # "passed", "wrong_answer", "error", "no_result", or a sandbox status
+    statuses: List[str]               # "passed", "wrong_answer", "error", "no_result", "invalid_output",
+                                      # "check_timeout", or a sandbox status
     ran_all: bool                     # False when grading stopped at the first failure
 
     @property

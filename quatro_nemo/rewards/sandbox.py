@@ -601,7 +601,9 @@ class Sandbox:
         Returns (timed out, output exceeded, CPU exceeded)."""
         limit = self.config.max_output_bytes
         bwrap_pidfd = os.pidfd_open(bwrap_pid)
-        open_fds = list(output_fds)
+        poller = select.poll()                 # not select(): the trainer may hold fds >= FD_SETSIZE
+        for fd in (bwrap_pidfd,) + tuple(output_fds):
+            poller.register(fd, select.POLLIN)
         timed_out = output_exceeded = cpu_exceeded = False
         try:
             while True:
@@ -610,13 +612,12 @@ class Sandbox:
                     timed_out = True
                     break
                 wait_s = deadline - now if cgroup is None else min(deadline - now, _CPU_POLL_S)
-                ready = select.select([bwrap_pidfd] + open_fds, [], [], wait_s)[0]
-                for fd in open_fds[:]:
+                ready = {fd for fd, _ in poller.poll(wait_s * 1000)}
+                for index, fd in enumerate(output_fds):
                     if fd in ready:
-                        index = output_fds.index(fd)
                         chunk = os.read(fd, 1 << 16)
                         if not chunk:
-                            open_fds.remove(fd)
+                            poller.unregister(fd)
                         outputs[index].extend(chunk)
                         output_exceeded |= len(outputs[index]) > limit
                 if output_exceeded:
@@ -683,7 +684,9 @@ def _open_sandbox_pid1(info_read: int, bwrap_pid: int, deadline: float) -> Optio
     run only after writing the info)."""
     data = b""
     while True:
-        ready = select.select([info_read], [], [], max(0.0, deadline - time.monotonic()))[0]
+        poller = select.poll()
+        poller.register(info_read, select.POLLIN)
+        ready = poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
         chunk = os.read(info_read, 4096) if ready else b""
         if not chunk:
             break

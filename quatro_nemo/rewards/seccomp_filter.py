@@ -17,8 +17,10 @@ not bound, and allows everything else:
   ``memfd_create``/``memfd_secret`` (memory outside any address space), ``setxattr`` and its
   variants (user extended attributes on the tmpfs: kernel memory beyond the tmpfs size);
 - state shared with the host or with other runs that no test program needs (issue 28):
-  ``sync``/``syncfs``/``sync_file_range`` (stall on the host's unflushed writes), ``fallocate``
-  (reserves disk without growing a file), ``inotify_*``/``fanotify_*`` (watch other sandboxes'
+  ``sync``/``syncfs``/``sync_file_range``/``fsync``/``fdatasync`` (wait, unkillable, on the host
+  file system's journal and unflushed writes: the program's and stdin files are host files;
+  on its tmpfs they do nothing anyway), ``fallocate`` (reserves disk without growing a file),
+  ``flock`` (a lock on a shared read-only /usr file is a signal to concurrent sandboxes), ``inotify_*``/``fanotify_*`` (watch other sandboxes'
   and the trainer's file accesses), and the page-cache probes and evictions ``mincore``,
   ``cachestat``, ``fadvise64`` (``POSIX_FADV_DONTNEED``), ``readahead``, ``preadv2``/``pwritev2``
   (``RWF_NOWAIT`` tells whether a page is cached), ``process_madvise``.
@@ -49,7 +51,7 @@ DENIED_SYSCALLS = (
     "userfaultfd", "perf_event_open", "bpf",
     "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
     "memfd_create", "memfd_secret", "setxattr", "lsetxattr", "fsetxattr", "setxattrat",
-    "sync", "syncfs", "sync_file_range", "fallocate",
+    "sync", "syncfs", "sync_file_range", "fsync", "fdatasync", "fallocate", "flock",
     "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch", "fanotify_init", "fanotify_mark",
     "mincore", "cachestat", "fadvise64", "readahead", "preadv2", "pwritev2", "process_madvise",
 )
@@ -75,7 +77,8 @@ _ARCHITECTURES: Dict[str, Tuple[int, Dict[str, int], Optional[int]]] = {
         "mq_open": 240, "mq_unlink": 241, "mq_timedsend": 242, "mq_timedreceive": 243, "mq_notify": 244,
         "mq_getsetattr": 245, "memfd_create": 319, "memfd_secret": 447,
         "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
-        "sync": 162, "syncfs": 306, "sync_file_range": 277, "fallocate": 285,
+        "sync": 162, "syncfs": 306, "sync_file_range": 277, "fsync": 74, "fdatasync": 75, "fallocate": 285,
+        "flock": 73,
         "inotify_init": 253, "inotify_init1": 294, "inotify_add_watch": 254, "inotify_rm_watch": 255,
         "fanotify_init": 300, "fanotify_mark": 301,
         "mincore": 27, "cachestat": 451, "fadvise64": 221, "readahead": 187, "preadv2": 327, "pwritev2": 328,
@@ -92,7 +95,8 @@ _ARCHITECTURES: Dict[str, Tuple[int, Dict[str, int], Optional[int]]] = {
         "mq_open": 180, "mq_unlink": 181, "mq_timedsend": 182, "mq_timedreceive": 183, "mq_notify": 184,
         "mq_getsetattr": 185, "memfd_create": 279, "memfd_secret": 447,
         "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "setxattrat": 463,
-        "sync": 81, "syncfs": 267, "sync_file_range": 84, "fallocate": 47,
+        "sync": 81, "syncfs": 267, "sync_file_range": 84, "fsync": 82, "fdatasync": 83, "fallocate": 47,
+        "flock": 32,
         "inotify_init1": 26, "inotify_add_watch": 27, "inotify_rm_watch": 28,   # no inotify_init
         "fanotify_init": 262, "fanotify_mark": 263,
         "mincore": 232, "cachestat": 451, "fadvise64": 223, "readahead": 213, "preadv2": 286, "pwritev2": 287,

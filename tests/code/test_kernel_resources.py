@@ -83,6 +83,8 @@ outcome("cachestat", libc.syscall(NR["cachestat"], victim, (ctypes.c_uint64 * 2)
                                   (ctypes.c_uint64 * 8)(), 0))
 outcome("sync", libc.syscall(NR["sync"]))
 outcome("syncfs", libc.syncfs(victim))
+outcome("fsync", libc.fsync(0))                                 # stdin: a host file
+outcome("flock", libc.flock(victim, 2))                         # LOCK_EX on a shared /usr file
 outcome("inotify", libc.inotify_init1(0))
 outcome("fanotify", libc.fanotify_init(0, 0))
 outcome("mq_open", libc.syscall(NR["mq_open"], b"q", 0o100 | 2, 0o600, None))
@@ -108,7 +110,7 @@ def test_host_state_and_page_cache_probes_are_refused(sandbox):
     report = last_json(result.stdout)
     allowed = {"madvise_dontneed": 0}
     assert report == {name: allowed.get(name, errno.EPERM) for name in report}, report
-    assert len(report) == 16
+    assert len(report) == 18
 
 
 # Protection: the run's cgroup counts kernel memory (tmpfs inodes and dentries here) in its
