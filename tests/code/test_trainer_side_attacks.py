@@ -160,3 +160,26 @@ def test_a_response_has_one_budget_in_fraction_mode(sandbox):
     elapsed = time.monotonic() - start
     assert grade.statuses == ["timeout"] * n and grade.ran_all
     assert elapsed < n * wall + 2.5, elapsed                        # before: 21 walls, 10.5 s
+
+
+def _worst_small_outputs(size):
+    """Adversarial outputs of about `size` characters for each check run in the grading thread."""
+    depth = "[" * 65 + "]" * 65
+    hashes = ",".join(str(k * MERSENNE_61 + 1) for k in range(size // 24))
+    return [("stdio", "1" * (size - 1) + "a", "0.5"),
+            ("stdio", " ".join(["1"] * (size // 2)), " ".join(["1.0"] * (size // 2))),
+            ("call", '["loaded"]\n["ok",' + depth * (size // len(depth) - 1) + "]\n", [1]),
+            ("call", '["loaded"]\n["ok",{"s":[' + hashes + "]}]\n", [1]),
+            ("call", '["loaded"]\n["ok",[' + ",".join(["7"] * (size // 2 - 20)) + "]]\n", [1])]
+
+
+# The bound that lets small outputs skip the checker process: every check of an output of
+# INLINE_CHECK_CHARS is fast (linear: ~50 ms at most here, most of it Python loops that let
+# other threads run; before issue 28 the first output cost 3.9 s at 9,000 characters).
+def test_small_outputs_are_checked_quickly_in_the_thread():
+    from quatro_nemo.rewards.code import INLINE_CHECK_CHARS, check_output
+    for kind, stdout, expected in _worst_small_outputs(INLINE_CHECK_CHARS):
+        assert len(stdout) <= INLINE_CHECK_CHARS + 64
+        start = time.perf_counter()
+        check_output(kind, stdout, expected)
+        assert time.perf_counter() - start < 0.5, (kind, stdout[:40])
