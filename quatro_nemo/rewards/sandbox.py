@@ -40,6 +40,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import errno
+import itertools
 import json
 import logging
 import math
@@ -144,6 +145,7 @@ class ExecutionResult:
 
 # -- per-run cgroups -------------------------------------------------------------------------------
 _CGROUP_V1_CONTROLLERS = ("memory", "pids", "cpuacct")
+_run_numbers = itertools.count(1)         # next() is atomic under the GIL: safe from many threads
 _cgroup_notice_given = False
 
 
@@ -204,8 +206,6 @@ class CgroupParents:
 
     def __init__(self, version: int, parents: Dict[str, str]):
         self.version, self.parents = version, parents     # controller (or "unified") -> directory
-        self._count = 0
-        self._lock = threading.Lock()
 
     @classmethod
     def find(cls) -> Tuple[Optional["CgroupParents"], str]:
@@ -232,6 +232,18 @@ class CgroupParents:
             reasons.append("no cgroup v1 memory, pids and cpuacct hierarchies")
         return None, "; ".join(reasons)
 
+    def remove_stale(self) -> None:
+        """Remove the empty run cgroups that processes which no longer exist left behind."""
+        for directory in self.parents.values():
+            for name in os.listdir(directory):
+                parts = name.split("-")
+                if name.startswith("quatro-sandbox-") and len(parts) == 4 and parts[2].isdigit() \
+                        and not os.path.exists(f"/proc/{parts[2]}"):
+                    try:
+                        os.rmdir(os.path.join(directory, name))
+                    except OSError:
+                        pass
+
     @staticmethod
     def _can_create(parents: Dict[str, str]) -> bool:
         probe = f"quatro-sandbox-probe-{os.getpid()}"
@@ -244,9 +256,7 @@ class CgroupParents:
             return False
 
     def create(self, memory_bytes: int, max_tasks: int) -> "RunCgroup":
-        with self._lock:
-            self._count += 1
-            name = f"quatro-sandbox-{os.getpid()}-{self._count}"
+        name = f"quatro-sandbox-{os.getpid()}-{next(_run_numbers)}"       # unique in this process
         return RunCgroup(self.version, {c: os.path.join(d, name) for c, d in self.parents.items()},
                          memory_bytes, max_tasks)
 
@@ -370,6 +380,8 @@ def _find_cgroups(mode: str) -> Optional[CgroupParents]:
     if mode == "off":
         return None
     parents, reason = CgroupParents.find()
+    if parents is not None:
+        parents.remove_stale()
     if parents is None:
         if mode == "required":
             raise RuntimeError(f"SandboxConfig.cgroups='required' but no cgroup can be created: {reason}")
@@ -562,7 +574,8 @@ class Sandbox:
             pid1 = _open_sandbox_pid1(info_read, proc.pid, deadline)
             if pid1 is not None and cgroup is not None:
                 cgroup.add(_pid_of(pid1))
-            os.write(block_write, b"x")                     # PID 1 may exec the program now
+            if pid1 is not None or cgroup is None:         # else it stays blocked until killed
+                os.write(block_write, b"x")                 # PID 1 may exec the program now
             run.timed_out, run.output_exceeded, run.cpu_exceeded = self._watch(
                 proc.pid, pid1, (out_read, err_read), run.outputs, deadline, cpu_time_s, cgroup)
             # Reap bwrap ourselves for its rusage (Popen.wait would discard it). bwrap exits after
