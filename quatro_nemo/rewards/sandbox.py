@@ -8,8 +8,8 @@ Isolation is done by the operating system, not by Python: every program runs as
         prlimit --cpu --as --fsize --nproc ...    # util-linux: setrlimit(2) before exec
           python3 -I -B /code/program.py          # a system interpreter, isolated mode
 
-- new user, PID, network, IPC, UTS and cgroup namespaces: no network (and only AF_UNIX
-  sockets), no view of other processes, no way back to the caller's uid;
+- new user, PID, network, IPC, UTS and cgroup namespaces: no network (and no sockets at all),
+  no view of other processes, no way back to the caller's uid;
 - a fresh mount namespace holding only `/usr` (read-only, plus the linker cache and
   /etc/alternatives symlinks), `/proc` of the new PID namespace, a minimal `/dev`, the program
   files (read-only, `/code`) and one size-limited tmpfs that is both `/dev/shm` and the working

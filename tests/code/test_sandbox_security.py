@@ -71,7 +71,7 @@ while count < 64:
     count += 1
 print(count)
 """
-    result = sandbox.run(program)
+    result = sandbox.run(program, timeout_s=15.0)     # 16 interpreters starting on a loaded CI machine
     assert result.status == STATUS_OK, result.stderr
     assert int(result.stdout.strip()) < sandbox.config.max_processes
     assert_no_survivors(marker)
@@ -134,8 +134,9 @@ print(json.dumps({"written": written, "error": error, "cwd": os.getcwd()}))
     assert leftover.stdout.strip() == "[]"                     # a fresh directory each run
 
 
-# Protection: seccomp allows sockets of AF_UNIX only (no network at all, not even the network
-# namespace's own loopback, whose TCP buffers would be host memory); the network namespace too.
+# Protection: seccomp refuses every socket (no network at all, not even the network namespace's
+# own loopback, whose TCP buffers would be host memory; no AF_UNIX buffers outside the memory
+# cgroup); the network namespace too.
 def test_network_is_unreachable(sandbox):
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
@@ -154,9 +155,11 @@ for name, family, kind in (("inet", socket.AF_INET, socket.SOCK_STREAM), ("inet6
         report[name] = "created"
     except OSError as err:
         report[name] = err.errno
-left, right = socket.socketpair()
-left.sendall(b"unix ok")
-report["unix"] = right.recv(16).decode()
+try:
+    socket.socketpair()
+    report["unix"] = "created"
+except OSError as err:
+    report["unix"] = err.errno
 print(json.dumps(report))
 """
     try:
@@ -167,7 +170,7 @@ print(json.dumps(report))
     finally:
         listener.close()
     assert report == {"inet": errno.EPERM, "inet6": errno.EPERM, "netlink": errno.EPERM, "packet": errno.EPERM,
-                      "unix": "unix ok"}
+                      "unix": errno.EPERM}
 
 
 # Protection: mount namespace (host paths absent, /usr and /code read-only) and the uid drop.

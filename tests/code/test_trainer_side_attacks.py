@@ -182,4 +182,4 @@ def test_small_outputs_are_checked_quickly_in_the_thread():
         assert len(stdout) <= INLINE_CHECK_CHARS + 64
         start = time.perf_counter()
         check_output(kind, stdout, expected)
-        assert time.perf_counter() - start < 0.5, (kind, stdout[:40])
+        assert time.perf_counter() - start < 2.0, (kind, stdout[:40])
