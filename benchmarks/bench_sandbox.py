@@ -14,8 +14,8 @@ old, new, ... (--repeats rounds) so that machine load hits both alike; medians a
    verifier's pool.
 
 Prints wall and CPU milliseconds per reward (per run for ``serial``; CPU is this process plus
-every process it reaped, i.e. the whole sandbox tree, and depends less on machine load than
-wall time), rewards per second, the mean reward (a sanity check: canonical solutions should
+every process it reaped, i.e. the whole sandbox tree and the verifier's checker processes,
+and depends less on machine load than wall time), rewards per second, the mean reward (a sanity check: canonical solutions should
 score 1.0), and new/old ratios.
 """
 from __future__ import annotations
@@ -71,7 +71,10 @@ def run_workload(name: str, n: int, workers: int) -> dict:
             responses = ["```python\na, b = map(int, input().split())\nprint(a + b)\n```"] * n
         else:
             problems, responses = _humaneval(n)
-        rewards = CodeVerifier(sandbox=sandbox, num_workers=workers).score_batch(problems, responses)
+        verifier = CodeVerifier(sandbox=sandbox, num_workers=workers)
+        rewards = verifier.score_batch(problems, responses)
+        if hasattr(verifier, "checkers"):
+            verifier.checkers.close()          # reaped, so that their CPU time is counted below
     seconds, cpu_seconds = time.perf_counter() - start, _cpu_seconds() - cpu_start
     import quatro_nemo
     assert os.path.dirname(os.path.dirname(quatro_nemo.__file__)) == os.environ["PYTHONPATH"], quatro_nemo.__file__

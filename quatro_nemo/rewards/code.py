@@ -20,7 +20,10 @@ of three forms. In all three the verdict is computed where the program cannot re
 The cases of one response share one run (and one program process) for "call" and "function";
 that run's wall and CPU limits are the configured ones times its number of cases. When the
 program's process ends or is killed at case k, case k gets that status and, in "fraction" mode,
-cases after k run in a fresh sandbox.
+cases after k run in a fresh sandbox with what is left of the response's one budget (_Budget).
+The program's output is judged by ``check_output`` in a checker process with its own time bound
+(docs/sandbox.md, "The trainer's own checking code"); an output the decoder refuses is
+"invalid_output", never an exception.
 
 Reward (``score_batch``): ``"pass"`` gives 1.0 when every case passes, else 0.0 (the paper's
 Pass@k grading; stops at the first failing case); ``"fraction"`` gives the fraction of cases
@@ -178,7 +181,8 @@ class CodeGrade:
 
     passed: int                       # cases passed
     total: int                        # cases in the problem
-    statuses: List[str]               # "passed", "wrong_answer", "error", "no_result", or a sandbox status
+    statuses: List[str]               # "passed", "wrong_answer", "error", "no_result", "invalid_output",
+                                      # "check_timeout", or a sandbox status
     ran_all: bool                     # False when grading stopped at the first failure
 
     @property
@@ -223,6 +227,12 @@ def build_program(problem: Dict[str, Any], response: str) -> str:
 STATUS_INVALID_OUTPUT = "invalid_output"  # the output broke a bound of the decoder, or the check failed
 STATUS_CHECK_TIMEOUT = "check_timeout"    # the check exceeded its own time bound
 _CASE_STATUSES = frozenset({"passed", "wrong_answer", "error", "no_result", STATUS_INVALID_OUTPUT})
+# Outputs up to this many characters are checked in the grading thread: the checks are linear,
+# their C-level steps (split, replace, json) on this much text take ~3 ms at most, and their
+# Python loops let other threads run every 5 ms (sys.getswitchinterval()); measured worst
+# cases in test_small_outputs_are_checked_quickly_in_the_thread. Longer outputs go to a checker
+# process.
+INLINE_CHECK_CHARS = 16 << 10
 
 
 def call_reply_statuses(stdout: str, expected: Sequence[Any]) -> Optional[List[str]]:
@@ -289,9 +299,10 @@ class _Budget:
 class CodeVerifier:
     """Verifier "code": reward = tests passed by the program in the response (see module doc).
 
-    The program's output is judged in checker processes (``check_timeout_s`` each check, then
-    status "check_timeout"), not in the threads that wait on the sandboxes: a slow or huge
-    output cannot hold the trainer's interpreter while other samples' wall clocks run."""
+    A program's output longer than INLINE_CHECK_CHARS is judged in a checker process
+    (``check_timeout_s`` each check, then status "check_timeout"), not in the threads that wait
+    on the sandboxes: a huge output cannot hold the trainer's interpreter while other samples'
+    wall clocks run. Checker processes start on the first such output."""
 
     def __init__(self, reward: str = "pass", num_workers: Optional[int] = None,
                  sandbox: Optional[Sandbox] = None, sandbox_config: Optional[SandboxConfig] = None,
@@ -356,7 +367,14 @@ class CodeVerifier:
         return result
 
     def _check(self, kind: str, stdout: str, expected: Any, num_cases: int) -> Optional[List[str]]:
-        """check_output in a checker process; on its failure every case of the run gets it."""
+        """check_output on the run's output: here when the output is at most INLINE_CHECK_CHARS
+        (the linear checks then hold this interpreter for about a millisecond at most), else in
+        a checker process under its own time bound. On a failure every case of the run gets it."""
+        if len(stdout) <= INLINE_CHECK_CHARS:
+            try:
+                return check_output(kind, stdout, expected)
+            except Exception:  # noqa: BLE001 - a check that fails is the sample's status, never the batch's
+                return [STATUS_INVALID_OUTPUT] * num_cases
         result = self.checkers.call(kind, stdout, expected)
         if result.status == GRADING_OK:
             statuses = result.value

@@ -233,6 +233,13 @@ def _read_exactly(fd: int, size: int) -> bytes:
     return data
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` has data (or EOF) within `timeout_s` (poll: the caller may hold fds >= 1024)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
+
+
 def _serve_checks(target: str, memory_bytes: int) -> None:
     """Main loop of a checker process: requests (length-prefixed pickles of an argument tuple
     from the trusted caller) on stdin, replies (length-prefixed JSON) on stdout."""
@@ -263,7 +270,7 @@ class _CheckerProcess:
                                         stdout=subprocess.PIPE, close_fds=True)
         # Imports are not the first check's time: wait for the process to say it is ready.
         out = self.process.stdout.fileno()
-        if not (select.select([out], [], [], startup_timeout_s)[0] and os.read(out, 1) == _READY):
+        if not (_readable(out, startup_timeout_s) and os.read(out, 1) == _READY):
             self.kill()
             raise RuntimeError(f"checker process for {target} not ready within {startup_timeout_s:g} s")
 
@@ -274,7 +281,7 @@ class _CheckerProcess:
         try:
             self.process.stdin.write(_LENGTH.pack(len(request)) + request)
             self.process.stdin.flush()
-            if not select.select([out], [], [], timeout_s)[0]:
+            if not _readable(out, timeout_s):
                 return CheckResult(STATUS_TIMEOUT, None, f"no result within {timeout_s:g} s",
                                    time.perf_counter() - start)
             (size,) = _LENGTH.unpack(_read_exactly(out, _LENGTH.size))

@@ -23,6 +23,9 @@ Verdict lines: ``{"case": i, "status": s}`` with s one of "passed", "wrong_answe
 raised, e.g. AssertionError), "error" (the program raised or failed to load), "no_result" (the
 program's process ended without replying); the latter adds "signal", "exit_code", "cpu_s". The
 judge stops after a case whose program process ended, or at the first failure when asked.
+When the tests use numpy, its broadcasting comparisons (``testing.assert_allclose``,
+``allclose``, ...) are replaced in the judge's process by versions that check shape and type
+first (``_strict_numpy_comparisons``): an empty list must not pass for a float.
 Standard library only (plus what the tests import): this file is copied into the sandbox.
 """
 import builtins

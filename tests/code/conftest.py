@@ -23,7 +23,7 @@ def _require_bwrap() -> None:
 
 # Tight limits keep the hostile programs quick and cheap on a shared 2-core machine.
 TEST_LIMITS = SandboxConfig(wall_timeout_s=3.0, cpu_time_s=2, memory_bytes=256 << 20,
-                            max_output_bytes=1 << 20, max_processes=16, scratch_bytes=8 << 20, shm_bytes=4 << 20)
+                            max_output_bytes=1 << 20, max_processes=16, scratch_bytes=8 << 20)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
 """What the host sees of a sandboxed run: its process table and its shared-memory total."""
+import ctypes
 import json
 import os
 import signal
@@ -65,3 +66,34 @@ class ShmemPeak:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+
+
+def evict_from_page_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def resident_pages(path: str) -> int:
+    """Pages of `path` in the host's page cache (mincore(2) of a read-only mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, 1, 1, fd, 0)                   # PROT_READ, MAP_SHARED
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        try:
+            vector = (ctypes.c_ubyte * ((size + 4095) // 4096))()
+            if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {path}")
+            return sum(page & 1 for page in vector)
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)

@@ -22,8 +22,13 @@ def test_syscall_numbers_match_libseccomp(machine):
     resolve = libseccomp.seccomp_syscall_resolve_name_arch
     resolve.argtypes, resolve.restype = [ctypes.c_uint32, ctypes.c_char_p], ctypes.c_int
     ours = seccomp_filter.syscall_numbers(machine)
-    assert sorted(ours) == sorted(seccomp_filter.DENIED_SYSCALLS)
-    assert ours == {name: resolve(_SCMP_ARCH[machine], name.encode()) for name in ours}
+    named = set(seccomp_filter.DENIED_SYSCALLS) | set(seccomp_filter.ARGUMENT_RULES)
+    theirs = {name: resolve(_SCMP_ARCH[machine], name.encode()) for name in named}
+    # libseccomp: a negative pseudo-number for a call the architecture lacks, and an error for
+    # one newer than the library (setxattrat, Linux 6.13, is newer than libseccomp 2.5)
+    assert {name for name, number in theirs.items() if number >= 0} <= set(ours) <= named
+    assert {name: number for name, number in ours.items() if theirs[name] >= 0} == \
+        {name: number for name, number in theirs.items() if number >= 0}
 
 
 def test_unknown_architecture_is_refused():

@@ -131,7 +131,7 @@ def test_checks_have_their_own_time_bound():
 
 
 # Protection: the judge's numpy comparisons check shape and type before tolerance.
-def test_empty_or_misshaped_float_answers_fail(sandbox):
+def test_empty_or_misshaped_float_answers_fail(verifier):
     with open(os.path.join(FIXTURES, "hub_rows.json")) as f:
         rows = json.load(f)
     humaneval_plus = DATASETS["humaneval_plus"].convert_row(rows["humaneval_plus"][0], 0)
@@ -146,7 +146,6 @@ def test_empty_or_misshaped_float_answers_fail(sandbox):
         (allclose, "def half(x):\n    return [[x / 2]]", 0.0),
         (allclose, "def half(x):\n    return x / 2", 1.0),
     ]
-    verifier = CodeVerifier(sandbox=sandbox, reward="fraction", num_workers=2)
     assert verifier.score_batch([c[0] for c in cases], [_program(c[1]) for c in cases]) == [c[2] for c in cases]
 
 
@@ -161,3 +160,26 @@ def test_a_response_has_one_budget_in_fraction_mode(sandbox):
     elapsed = time.monotonic() - start
     assert grade.statuses == ["timeout"] * n and grade.ran_all
     assert elapsed < n * wall + 2.5, elapsed                        # before: 21 walls, 10.5 s
+
+
+def _worst_small_outputs(size):
+    """Adversarial outputs of about `size` characters for each check run in the grading thread."""
+    depth = "[" * 65 + "]" * 65
+    hashes = ",".join(str(k * MERSENNE_61 + 1) for k in range(size // 24))
+    return [("stdio", "1" * (size - 1) + "a", "0.5"),
+            ("stdio", " ".join(["1"] * (size // 2)), " ".join(["1.0"] * (size // 2))),
+            ("call", '["loaded"]\n["ok",' + depth * (size // len(depth) - 1) + "]\n", [1]),
+            ("call", '["loaded"]\n["ok",{"s":[' + hashes + "]}]\n", [1]),
+            ("call", '["loaded"]\n["ok",[' + ",".join(["7"] * (size // 2 - 20)) + "]]\n", [1])]
+
+
+# The bound that lets small outputs skip the checker process: every check of an output of
+# INLINE_CHECK_CHARS is fast (linear: ~50 ms at most here, most of it Python loops that let
+# other threads run; before issue 28 the first output cost 3.9 s at 9,000 characters).
+def test_small_outputs_are_checked_quickly_in_the_thread():
+    from quatro_nemo.rewards.code import INLINE_CHECK_CHARS, check_output
+    for kind, stdout, expected in _worst_small_outputs(INLINE_CHECK_CHARS):
+        assert len(stdout) <= INLINE_CHECK_CHARS + 64
+        start = time.perf_counter()
+        check_output(kind, stdout, expected)
+        assert time.perf_counter() - start < 2.0, (kind, stdout[:40])
