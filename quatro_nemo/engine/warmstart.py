@@ -298,7 +298,7 @@ def measure_base_model(task: CountdownTaskConfig, tokenizer_config: TokenizerCon
         model = build_model(model_config)
         load_full_state_dict(model, state)
         model.eval()
-        backend = MegatronRolloutBackend(model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+        backend = MegatronRolloutBackend(model, stop_token_ids=[tokenizer.eos_id], pad_id=tokenizer.pad_id)
         params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
         with torch.no_grad():
             return measure_policy(backend, problems, tokenizer, num_samples, params)
