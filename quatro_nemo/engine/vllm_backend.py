@@ -193,7 +193,7 @@ def launcher_environment() -> Dict[str, str]:
         local = int(os.environ.get("LOCAL_RANK", 0))
     return {"RANK": str(rank), "LOCAL_RANK": str(local),
             "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            "MASTER_PORT": os.environ.get("MASTER_PORT", str(parallel.free_port()))}
+            "MASTER_PORT": os.environ.get("MASTER_PORT") or str(parallel.free_port())}
 
 
 @contextlib.contextmanager

@@ -4,10 +4,11 @@ These tests run in the environment ``scripts/setup_cluster_env.sh`` builds (``.v
 ``scripts/run_tests.sh`` runs them there). Elsewhere (no ``vllm``) every test here is skipped.
 """
 import importlib.util
-import os
 import pathlib
 import subprocess
 import sys
+
+from quatro_nemo.megatron.parallel import standalone_environment
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "recipes" / "train.py")
@@ -33,10 +34,7 @@ GAP_TOKEN_MEAN = 1e-4
 
 def launch_environment(**extra) -> dict:
     """The environment of a user's shell: no rendezvous variables (a single process has none)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", **extra)
-    return env
+    return dict(standalone_environment(), PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", **extra)
 
 
 def run_train(args, nproc: int = 1, timeout: int = 900) -> subprocess.CompletedProcess:
