@@ -9,7 +9,8 @@
 # packed into THD sequences where Transformer Engine imports; a missing one is reported skipped):
 #   1. recipes/train.py config=gpu_check rollout.backend=B trainer.steps=2   (checkpoints each step)
 #   2. the same command with trainer.steps=3: resumes from its step-2 checkpoint, trains step 3
-# then prints, per backend, step time, tokens/s and the peak GPU memory (nvidia-smi, sampled every
+# then prints, per backend, step time, tokens/s, the training state's offload/reload seconds around
+# vLLM's rollouts (pinned host buffers on a GPU) and the peak GPU memory (nvidia-smi, sampled every
 # 0.5 s) next to the prediction of recipes/plan_memory.py, and a final GPU_CHECK_RESULT {json} line
 # (also $OUT/gpu_check.json when $OUT is set). Exit code 0 when every attempted run passed.
 # key=value arguments go to every recipes/train.py and plan_memory.py call (e.g. trainer.device=cpu

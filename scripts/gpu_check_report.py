@@ -40,12 +40,16 @@ def peak_memory_gb(check_dir: str, backend: str) -> Optional[float]:
 
 def step_figures(record: Dict[str, Any], sequences: int) -> Dict[str, float]:
     """Step time and tokens/s of one logged training step (generated tokens = sequences x mean
-    response length)."""
+    response length); with vLLM, the seconds its rollout spent moving the training state to the
+    (pinned, on a GPU) host buffers and back (``time/offload``, ``time/reload``)."""
     generated = sequences * record["response_length/mean"]
-    return {"step": record["step"], "step_s": record["time/step"], "rollout_s": record["time/rollout"],
-            "update_s": record["time/update"], "generated_tokens": generated,
-            "rollout_tokens_per_s": generated / record["time/rollout"],
-            "step_tokens_per_s": generated / record["time/step"]}
+    figures = {"step": record["step"], "step_s": record["time/step"], "rollout_s": record["time/rollout"],
+               "update_s": record["time/update"], "generated_tokens": generated,
+               "rollout_tokens_per_s": generated / record["time/rollout"],
+               "step_tokens_per_s": generated / record["time/step"]}
+    if "time/offload" in record:
+        figures.update(offload_s=record["time/offload"], reload_s=record["time/reload"])
+    return figures
 
 
 def backend_result(check_dir: str, backend: str) -> Dict[str, Any]:
@@ -73,11 +77,13 @@ def format_table(results: Dict[str, Dict[str, Any]], plan: Dict[str, Any]) -> Li
             continue
         last = result["per_step"][-1]  # the first step includes warm-up and compilation
         peak = result["peak_gpu_memory_gb"]
+        offload = (f" | training state offload {last['offload_s']:.3f} s, reload {last['reload_s']:.3f} s"
+                   if "offload_s" in last else "")
         lines.append(
             f"{backend}: steps {result['steps']} resumed={result['resumed']} | step {last['step']}: "
             f"{last['step_s']:.2f} s (rollout {last['rollout_s']:.2f} s, update {last['update_s']:.2f} s), "
             f"{last['rollout_tokens_per_s']:.0f} generated tokens/s in rollout, {last['step_tokens_per_s']:.0f} per "
-            f"step | peak GPU memory {'n/a (no nvidia-smi)' if peak is None else f'{peak:.2f} GB'}")
+            f"step | peak GPU memory {'n/a (no nvidia-smi)' if peak is None else f'{peak:.2f} GB'}{offload}")
     return lines
 
 

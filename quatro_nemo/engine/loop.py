@@ -397,6 +397,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         # 7. Metrics (identical on every rank), checkpoint, evaluation.
         metrics = _step_metrics(rewards, advantage_out.metrics, update_metrics, rollout, old_entropy)
         metrics.update(learned.engine_gap)
+        metrics.update(rollout.timings)
         if delta_controller is not None:  # the next step's radius, from this step's achieved KL
             shift = global_rewards(learned.policy_shift.view(len(problems), rollout_cfg.n).double(),
                                    batch_size, mini_batch_size)

@@ -20,7 +20,7 @@ any split of the prompts across data-parallel ranks (pass each rank's ``first_pr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Protocol, Sequence
 
 import torch
@@ -37,12 +37,15 @@ class RolloutBatch:
     sampling engine is not the trained model itself (vLLM), its log pi(token) of each sampled
     token at temperature 1, aligned like ``response_mask``: what the trainer's recomputed log-probs
     are compared with (:func:`quatro_nemo.engine.loop.engine_gap_metrics`); None otherwise.
+    ``timings``: seconds the backend spent around sampling, by metric name (the vLLM backend's
+    ``time/offload`` / ``time/reload`` of the training state), logged with the step's metrics.
     """
 
     sample: SampleOutput
     num_prompts: int
     num_samples: int
     engine_logprobs: Optional[torch.Tensor] = None
+    timings: Dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens(self) -> torch.Tensor:

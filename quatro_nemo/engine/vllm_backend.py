@@ -32,8 +32,10 @@ How it works (vLLM's documented offline API: ``LLM``, ``SamplingParams``, ``coll
   API on the GPU and CPU workers), then the prefix cache is reset (its KV entries belong to the old
   weights). With K inner loops the push happens once per rollout, not once per optimizer step.
 - **Memory between phases**: with ``scale.offload_optimizer_in_rollout`` the backend moves the
-  optimizer state and gradient buffers to the host around every sampling call, rollouts and
-  held-out evaluation alike (:meth:`VllmRolloutBackend.manage_training_state`). With
+  optimizer state to host buffers allocated once (pinned on GPUs) and releases the gradient
+  buffers around every sampling call, rollouts and held-out evaluation alike
+  (:meth:`VllmRolloutBackend.manage_training_state`; the seconds each way are logged as
+  ``time/offload`` and ``time/reload``). With
   ``vllm.sleep_between_phases`` (GPUs: vLLM's CPU build has no sleep mode, said once in the log)
   the engine sleeps at level 2 after sampling (KV cache and weights freed: the next push rewrites
   the weights anyway); before sampling it wakes the weights, receives the push, then wakes the KV
@@ -279,13 +281,16 @@ class VllmRolloutBackend:
         self._vllm = vllm
         self._asleep = False
         self._stale = True  # push the trainer's weights before the first rollout (dummy weights, resume)
-        self._training_state = None
+        self.training_state: Optional[training.HostTrainingState] = None
 
     def manage_training_state(self, policy_ddp, optimizer) -> None:
-        """Move the optimizer state and DDP's gradient buffers to host memory while the engine
-        samples (every :meth:`generate`: rollouts and held-out evaluation alike), and back after:
-        the memory plan's rollout and evaluation phases (``scale.offload_optimizer_in_rollout``)."""
-        self._training_state = (policy_ddp, optimizer)
+        """Move the optimizer state to host buffers (allocated once, pinned on GPUs) and release
+        DDP's gradient buffers while the engine samples (every :meth:`generate`: rollouts and
+        held-out evaluation alike), and take them back after: the memory plan's rollout and
+        evaluation phases (``scale.offload_optimizer_in_rollout``;
+        :class:`quatro_nemo.megatron.training.HostTrainingState`). Each call's offload and reload
+        seconds come back in :attr:`RolloutBatch.timings`."""
+        self.training_state = training.HostTrainingState(policy_ddp, optimizer)
 
     # ---- phases -------------------------------------------------------------------------------
 
@@ -310,8 +315,8 @@ class VllmRolloutBackend:
         self._stale = False
 
     def _wake(self) -> None:
-        if self._training_state is not None:
-            training.offload_training_state(*self._training_state)
+        if self.training_state is not None:
+            self.training_state.offload()
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
         if self._stale:
@@ -325,8 +330,8 @@ class VllmRolloutBackend:
             self.llm.sleep(level=2)
             self._asleep = True
             self._stale = True  # level 2 discards the weights
-        if self._training_state is not None:
-            training.reload_training_state(*self._training_state)
+        if self.training_state is not None:
+            self.training_state.reload()
 
     # ---- sampling -----------------------------------------------------------------------------
 
@@ -346,8 +351,9 @@ class VllmRolloutBackend:
             self._sleep()
         responses = self._gather_over_engines(local)
         sample = build_sample_output(rows, responses, self.pad_id)
+        timings = {} if self.training_state is None else dict(self.training_state.seconds)
         return RolloutBatch(sample=sample, num_prompts=len(prompts), num_samples=num_samples,
-                            engine_logprobs=sample.logprobs)
+                            engine_logprobs=sample.logprobs, timings=timings)
 
     def _sample(self, rows, sequence_ids, params: SamplingParams) -> List[GeneratedResponse]:
         vllm = self._vllm

@@ -12,9 +12,9 @@ What Megatron-LM's ``pretrain`` sets up, reduced to what the RL loop needs:
   et al. 2020, Sec. 5.1). Gradient clipping (global L2 norm over every model-parallel shard) is the
   optimizer's: ``step()`` returns the norm. Without Transformer Engine or apex (the CPU) megatron
   falls back to ``torch.optim.AdamW``.
-- :func:`offload_training_state` / :func:`reload_training_state`: the optimizer state and the
-  gradient buffers to host memory while a colocated rollout engine samples, and back
-  (NeMo-RL's ``offload_before_refit``, verl's ``offload_megatron_*``).
+- :class:`HostTrainingState`: the optimizer state to reused (pinned) host buffers and the gradient
+  buffers released while a colocated rollout engine samples, and back (NeMo-RL's
+  ``offload_before_refit``, verl's ``offload_megatron_*``).
 
 Gradient semantics. Every micro-batch loss is already its additive share of the GLOBAL loss
 (:mod:`quatro_nemo.megatron.loss`), so gradients must be SUMMED over data-parallel ranks, not
@@ -25,7 +25,8 @@ micro-batches in the schedule).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+import time
+from typing import Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -136,33 +137,113 @@ def zero_gradients(ddp_model, optimizer) -> None:
     optimizer.zero_grad()
 
 
-def offload_training_state(ddp_model, optimizer) -> None:
-    """Optimizer state and gradient buffers to host memory (before a rollout engine wakes).
+class HostTrainingState:
+    """The training state's device memory given to a colocated rollout engine while it samples,
+    and taken back after (NeMo-RL's ``offload_before_refit``, verl's ``offload_megatron_*``).
 
-    No-op without CUDA: there is no device memory to free."""
-    if not torch.cuda.is_available():
-        return
-    optimizer.offload_to_cpu()
-    ddp_model.offload_grad_buffers()
+    :meth:`offload` copies every storage of the optimizer state on the training device (Adam's
+    moments and step, the float32 master weights: whatever the torch optimizers inside
+    megatron's hold in their state and parameter groups, except storage shared with the model's
+    own parameters, which the engine's weight push reads and the memory plan keeps resident) into
+    a host buffer, waits for the copies, then releases the device storage (resized to 0, so every
+    tensor and view on it stays the same object); DDP's gradient buffers are released without a
+    copy (megatron's ``offload_grad_buffers``: between steps their content is dead, they come back
+    zeroed). :meth:`reload` resizes each storage back, copies its bytes in and waits for them.
+
+    The host buffers are allocated at the first offload that needs them and reused by every later
+    one (one per storage, matched by byte size in a fixed order: Adam's moments appear after the
+    first step, so the set grows once), pinned when CUDA is available (the copies are direct DMA,
+    without a pageable staging copy per step), plain on the CPU, where the same round trip runs
+    (it frees nothing there: the buffers hold what the storage held). ``seconds`` holds the last
+    offload's and reload's wall time (``time/offload``, ``time/reload``).
+    """
+
+    def __init__(self, ddp_model, optimizer):
+        self.ddp_model, self.optimizer = ddp_model, optimizer
+        self.device = torch.device(current_device())
+        self.pin_memory = torch.cuda.is_available()
+        self.host_buffers: List[torch.Tensor] = []   # in the order of offload_storages()
+        self.parked: List[torch.UntypedStorage] = []  # released device storages, host_buffers' order
+        self.seconds: Dict[str, float] = {}
+
+    def offload_storages(self) -> List[torch.UntypedStorage]:
+        """The optimizer's storages on the training device that do not hold model weights, each
+        once, in the optimizers' order."""
+        weights = {p.untyped_storage()._cdata for p in self.ddp_model.parameters()}
+        found: Dict[int, torch.UntypedStorage] = {}
+        for inner in torch_optimizers(self.optimizer):
+            tensors = [p for group in inner.param_groups for p in group["params"]]
+            tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                if tensor.device == self.device and storage._cdata not in weights and storage.nbytes() > 0:
+                    found.setdefault(storage._cdata, storage)
+        return list(found.values())
+
+    def offload(self) -> None:
+        if self.parked:
+            raise RuntimeError("the training state is already offloaded (offload without a reload)")
+        start = time.perf_counter()
+        storages = self.offload_storages()
+        self.host_buffers = self._buffers_for([storage.nbytes() for storage in storages])
+        for storage, host in zip(storages, self.host_buffers):
+            host.copy_(_storage_bytes(storage), non_blocking=True)
+        self._synchronize()  # the bytes are on the host before their device memory is released
+        for storage in storages:
+            storage.resize_(0)
+        self.parked = storages
+        cuda = self.device.type == "cuda"
+        self.ddp_model.offload_grad_buffers(synchronize=cuda, empty_cache=False)
+        if cuda:
+            torch.cuda.empty_cache()
+        self.seconds["time/offload"] = time.perf_counter() - start
+
+    def reload(self) -> None:
+        start = time.perf_counter()
+        self.ddp_model.restore_grad_buffers(synchronize=False)
+        for storage, host in zip(self.parked, self.host_buffers):
+            storage.resize_(host.numel())
+            _storage_bytes(storage).copy_(host, non_blocking=True)
+        self._synchronize()  # the state is back before the trainer reads it
+        self.parked = []
+        self.seconds["time/reload"] = time.perf_counter() - start
+
+    def _buffers_for(self, sizes: List[int]) -> List[torch.Tensor]:
+        """A host buffer of each byte size, the previous offload's where one of that size is left
+        (taken in order), else a new one; buffers no storage needs any more are dropped."""
+        spare: Dict[int, List[torch.Tensor]] = {}
+        for buffer in self.host_buffers:
+            spare.setdefault(buffer.numel(), []).append(buffer)
+        return [spare[n].pop(0) if spare.get(n) else torch.empty(n, dtype=torch.uint8, pin_memory=self.pin_memory)
+                for n in sizes]
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
-def reload_training_state(ddp_model, optimizer) -> None:
-    """Inverse of :func:`offload_training_state` (after the rollout engine sleeps)."""
-    if not torch.cuda.is_available():
-        return
-    ddp_model.restore_grad_buffers()
-    optimizer.restore_from_cpu()
+def torch_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron optimizer (a ``ChainedOptimizer`` or one)."""
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(megatron_optimizer, "optimizer", None)
+        if inner is not None and not getattr(megatron_optimizer, "is_stub_optimizer", False):
+            yield inner
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage`` (the copy source or target)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 __all__: List[str] = [
+    "HostTrainingState",
     "OptimizerSettings",
     "build_optimizer",
     "has_gradient",
     "inner_model",
-    "offload_training_state",
     "optimizer_step",
-    "reload_training_state",
     "set_learning_rate",
+    "torch_optimizers",
     "warmup_learning_rate",
     "wrap_for_training",
     "zero_gradients",

@@ -6,7 +6,8 @@ memory). The real engine runs through ``recipes/train.py`` in ``tests/vllm/``.
 Checked at TP=1 and TP=2 (two engines in one tensor-parallel group, each sampling half the prompts):
 
 - rollouts and held-out evaluations alike sample with the optimizer state and gradient buffers
-  offloaded (the memory plan's sampling phase), and reload them after;
+  offloaded (the memory plan's sampling phase), and reload them after; the offload (run on the
+  CPU as on a GPU) reuses host buffers allocated once and returns the state bit for bit;
 
 - each push gives the engine the trainer's weights: the pushed HF tensors, loaded into
   ``transformers``' Qwen2 (an independent implementation of the names and layouts), give the
@@ -63,6 +64,17 @@ def hf_logits(hf_config: dict, hf_state: dict, tokens: torch.Tensor) -> torch.Te
         return model(tokens).logits
 
 
+def _state_bytes(optimizer):
+    """A byte copy of each tensor in the torch optimizers' state and parameter groups."""
+    from quatro_nemo.megatron.training import torch_optimizers
+
+    tensors = []
+    for inner in torch_optimizers(optimizer):
+        tensors += [p for group in inner.param_groups for p in group["params"]]
+        tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return [t.detach().contiguous().view(-1).view(torch.uint8).clone() for t in tensors]
+
+
 def _train_rank(rank: int, args, out_dir: str):
     sys.path.insert(0, FAKE_VLLM)
     import vllm
@@ -84,12 +96,27 @@ def _train_rank(rank: int, args, out_dir: str):
         batches.append({"tokens": mini["tokens"].clone(), "response_mask": mini["response_mask"].clone()})
         return real_forward_backward(model, mini, *rest, **kwargs)
 
-    def record(call):
-        def mark(*args):
-            vllm.LLM.instances[0].events.append({"call": call})
-        return mark
+    real_offload, real_reload = training.HostTrainingState.offload, training.HostTrainingState.reload
+    held, before_offload = [], []  # held: every host buffer, so a fresh one cannot reuse a freed address
 
-    training.offload_training_state, training.reload_training_state = record("offload"), record("reload")
+    def offload(state):  # the product's offload, observed: its host buffers and what it released
+        before_offload[:] = [_state_bytes(state.optimizer)]
+        real_offload(state)
+        held.extend(state.host_buffers)
+        vllm.LLM.instances[0].events.append({
+            "call": "offload", "host_ptrs": [b.data_ptr() for b in state.host_buffers],
+            "released": all(s.nbytes() == 0 for s in state.parked),
+            "grads_released": all(b.grad_data.untyped_storage().nbytes() == 0 for b in state.ddp_model.buffers)})
+
+    def reload(state):
+        real_reload(state)
+        after = _state_bytes(state.optimizer)
+        vllm.LLM.instances[0].events.append({
+            "call": "reload", "seconds": dict(state.seconds),
+            "identical": len(after) == len(before_offload[0]) and all(
+                torch.equal(a, b) for a, b in zip(after, before_offload[0]))})
+
+    training.HostTrainingState.offload, training.HostTrainingState.reload = offload, reload
 
     def check_push(hf_state):
         trainer = forward_logits(models[0], tokens)  # collective over TP, like the push itself
@@ -161,6 +188,25 @@ def test_engine_is_built_from_the_config_and_sleeps_between_phases(runs, tensor)
                  ("wake_up", ("kv_cache",)), "generate", ("sleep", 2), "reload"]
         # evaluation at step 0, the rollouts of each step, the final evaluation: all offloaded
         assert calls == first + again * (1 + STEPS)
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_the_offload_reuses_its_host_buffers_and_returns_the_state_bit_for_bit(runs, tensor):
+    """The product's offload (megatron.training.HostTrainingState, run on the CPU as on a GPU):
+    host buffers allocated once and reused, device storage and gradient buffers released while
+    the engine samples, the optimizer state bit-identical after the reload, seconds logged."""
+    for record in runs[tensor]["ranks"]:
+        offloads = [e for e in record["events"] if e["call"] == "offload"]
+        reloads = [e for e in record["events"] if e["call"] == "reload"]
+        assert len(offloads) == len(reloads) == 2 + STEPS
+        assert all(e["released"] and e["grads_released"] for e in offloads)
+        assert all(e["identical"] and set(e["seconds"]) == {"time/offload", "time/reload"} for e in reloads)
+        # evaluation 0 and step 0's rollout come before Adam's first step (no moments yet);
+        # step 1's rollout allocates their buffers, the final evaluation reuses every one
+        with_state = [e["host_ptrs"] for e in offloads if e["host_ptrs"]]
+        assert len(with_state) >= 2 and all(ptrs == with_state[0] for ptrs in with_state)
+    train = [m for m in runs[tensor]["metrics"] if m["kind"] == "train"]
+    assert train and all(m["time/offload"] >= 0 and m["time/reload"] >= 0 for m in train)
 
 
 @pytest.mark.parametrize("tensor", [1, 2])
