@@ -29,6 +29,7 @@ import torch
 from quatro_nemo.engine.logging import read_metrics
 from quatro_nemo.engine.memory_plan import VllmConfig
 from tests.distributed import run_ranks
+from tests.megatron.test_host_training_state import state_bytes
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -64,17 +65,6 @@ def hf_logits(hf_config: dict, hf_state: dict, tokens: torch.Tensor) -> torch.Te
         return model(tokens).logits
 
 
-def _state_bytes(optimizer):
-    """A byte copy of each tensor in the torch optimizers' state and parameter groups."""
-    from quatro_nemo.megatron.training import torch_optimizers
-
-    tensors = []
-    for inner in torch_optimizers(optimizer):
-        tensors += [p for group in inner.param_groups for p in group["params"]]
-        tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return [t.detach().contiguous().view(-1).view(torch.uint8).clone() for t in tensors]
-
-
 def _train_rank(rank: int, args, out_dir: str):
     sys.path.insert(0, FAKE_VLLM)
     import vllm
@@ -100,7 +90,7 @@ def _train_rank(rank: int, args, out_dir: str):
     held, before_offload = [], []  # held: every host buffer, so a fresh one cannot reuse a freed address
 
     def offload(state):  # the product's offload, observed: its host buffers and what it released
-        before_offload[:] = [_state_bytes(state.optimizer)]
+        before_offload[:] = [state_bytes(state.optimizer)]
         real_offload(state)
         held.extend(state.host_buffers)
         vllm.LLM.instances[0].events.append({
@@ -110,7 +100,7 @@ def _train_rank(rank: int, args, out_dir: str):
 
     def reload(state):
         real_reload(state)
-        after = _state_bytes(state.optimizer)
+        after = state_bytes(state.optimizer)
         vllm.LLM.instances[0].events.append({
             "call": "reload", "seconds": dict(state.seconds),
             "identical": len(after) == len(before_offload[0]) and all(

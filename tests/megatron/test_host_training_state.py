@@ -25,7 +25,7 @@ from tests.distributed import run_ranks
 CYCLES = 3
 
 
-def _state_bytes(optimizer):
+def state_bytes(optimizer):
     """A byte copy of each tensor in the torch optimizers' state and parameter groups."""
     from quatro_nemo.megatron.training import torch_optimizers
 
@@ -61,7 +61,7 @@ def _offload_cycles_rank(rank, device_type):
     grad_buffers = [buffer.grad_data for buffer in ddp.buffers]
     cycles, held = [], []  # held: every host buffer seen, so a fresh one cannot reuse a freed address
     for _ in range(CYCLES):
-        before = _state_bytes(optimizer)
+        before = state_bytes(optimizer)
         weights = [p.detach().clone() for p in model.parameters()]
         allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         state.offload()
@@ -76,7 +76,7 @@ def _offload_cycles_rank(rank, device_type):
             "freed": allocated - torch.cuda.memory_allocated(device) if device.type == "cuda" else 0,
         }
         state.reload()
-        after = _state_bytes(optimizer)
+        after = state_bytes(optimizer)
         offloaded["identical"] = len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
         offloaded["grads_zero"] = all(g.untyped_storage().nbytes() > 0 and not g.any() for g in grad_buffers)
         offloaded["seconds"] = dict(state.seconds)
