@@ -68,7 +68,31 @@ def wrap_for_training(model: torch.nn.Module, distributed_optimizer: bool):
         overlap_grad_reduce=False,
         use_distributed_optimizer=distributed_optimizer,
     )
-    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
+                                   **precomputed_param_layout(model, ddp_config))
+
+
+def precomputed_param_layout(model: torch.nn.Module, ddp_config) -> dict:
+    """``{"full_param_layout": ...}`` for megatron's DDP where it takes one (megatron-core 0.19+;
+    building DDP for the distributed optimizer without it is deprecated there and logs a warning),
+    else ``{}`` (0.16.1 computes the same layout inside DDP). The layout is what DDP itself would
+    compute: ``DistributedOptimizer.compute_full_param_layout`` over the trainable parameters,
+    no bucketing (``overlap_grad_reduce`` is off: one bucket per buffer), padded for the
+    data-parallel group with context parallelism."""
+    import inspect
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    takes_layout = "full_param_layout" in inspect.signature(DistributedDataParallel.__init__).parameters
+    if not (takes_layout and ddp_config.use_distributed_optimizer):
+        return {}
+    if ddp_config.overlap_grad_reduce or ddp_config.num_distributed_optimizer_instances != 1:
+        raise ValueError("precomputed_param_layout covers one bucket per buffer and one optimizer instance")
+    params = [param for param in model.parameters() if param.requires_grad]
+    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    return {"full_param_layout": DistributedOptimizer.compute_full_param_layout(params, None, dp_size, ddp_config)}
 
 
 def build_optimizer(ddp_model, settings: OptimizerSettings):
@@ -242,6 +266,7 @@ __all__: List[str] = [
     "has_gradient",
     "inner_model",
     "optimizer_step",
+    "precomputed_param_layout",
     "set_learning_rate",
     "torch_optimizers",
     "warmup_learning_rate",

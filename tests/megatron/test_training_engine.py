@@ -66,3 +66,59 @@ def test_warmup_learning_rate_is_linear_then_constant():
 
     assert [warmup_learning_rate(1.0, 4, s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert warmup_learning_rate(3e-4, 0, 0) == 3e-4
+
+
+def _buffer_layouts(ddp):
+    """Each DDP buffer's parameter offsets (by parameter name), bucket bounds and size."""
+    names = {param: name for name, param in ddp.module.named_parameters()}
+    return [({names[p]: span for p, span in buffer.param_index_map.items()}, list(buffer.bucket_indices), buffer.numel)
+            for buffer in ddp.buffers]
+
+
+def _param_layout_rank(rank):
+    import logging
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from quatro_nemo.megatron import training
+    from quatro_nemo.megatron.models import ModelConfig, build_model
+    from quatro_nemo.megatron.parallel import initialize_parallel
+
+    initialize_parallel(1, 1, seed=5)
+    config = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4,
+                         max_position_embeddings=16, params_dtype="bfloat16")
+    warnings = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    ddp_logger = logging.getLogger(DistributedDataParallel.__module__)
+    ddp_logger.addHandler(Collect(level=logging.WARNING))
+    ours = training.wrap_for_training(build_model(config), distributed_optimizer=True)
+    ours_warnings = list(warnings)
+    # megatron's own path: DDP computes the layout itself (0.19: deprecated, with a warning)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=True)
+    model = build_model(config)
+    reference = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    passed = training.precomputed_param_layout(build_model(config), ddp_config)
+    return {"ours": _buffer_layouts(ours), "reference": _buffer_layouts(reference),
+            "ours_warned": [w for w in ours_warnings if "full_param_layout" in w], "passes_layout": bool(passed)}
+
+
+@pytest.mark.distributed
+def test_ddp_gets_the_layout_it_would_compute_itself():
+    """megatron-core 0.19 deprecates building DDP for the distributed optimizer without a
+    precomputed ``full_param_layout``; wrap_for_training passes one there (none on 0.16.1, whose
+    DDP takes none). Either way the buffers are laid out as DDP lays them out by itself (checked
+    at DP = 2, where the buffers are padded for the group), and 0.19 logs no deprecation."""
+    import inspect
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    takes_layout = "full_param_layout" in inspect.signature(DistributedDataParallel.__init__).parameters
+    for result in run_ranks(2, _param_layout_rank):
+        assert result["ours"] == result["reference"] and result["ours"]
+        assert result["passes_layout"] is takes_layout
+        assert result["ours_warned"] == []
