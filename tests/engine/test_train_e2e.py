@@ -51,11 +51,26 @@ def reference_run(tmp_path_factory, warm_cache):
     return args, run_dir
 
 
+@pytest.fixture(scope="module")
+def every_algorithm(tmp_path_factory, warm_cache):
+    """One Hydra multirun (``-m algorithm=...``) of every algorithm, 2 steps each: the same loop
+    for each job (job i in ``<run.dir>/<i>``), one process for all of them (the imports, ~9 s of
+    CPU per process, paid once). Returns the sweep directory, the jobs' algorithms in order, and
+    the command's output."""
+    from .conftest import TINY
+
+    sweep_dir = tmp_path_factory.mktemp("every_algorithm") / "sweep"
+    algorithms = sorted(ALGORITHMS)
+    code, output = finish(run_train(["-m", *TINY, f"warmstart.cache_dir={warm_cache}", f"run.dir={sweep_dir}",
+                                     f"algorithm={','.join(algorithms)}", "trainer.steps=2"]), timeout=1200)
+    assert code == 0, output[-4000:]
+    return sweep_dir, algorithms, output
+
+
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
-def test_every_algorithm_runs_through_the_same_loop(algorithm, tmp_path, tiny_args):
-    run_dir = str(tmp_path / algorithm)
-    code, output = finish(run_train(tiny_args(run_dir, f"algorithm={algorithm}", "trainer.steps=2")))
-    assert code == 0, output
+def test_every_algorithm_runs_through_the_same_loop(algorithm, every_algorithm):
+    sweep_dir, algorithms, output = every_algorithm
+    run_dir = str(sweep_dir / str(algorithms.index(algorithm)))
     records = train_records(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -70,27 +85,29 @@ def test_every_algorithm_runs_through_the_same_loop(algorithm, tmp_path, tiny_ar
     with open(os.path.join(run_dir, "report.json")) as f:
         report = json.load(f)
     assert report["algorithm"] == algorithm and report["base"]["step"] == 0
-    # the held-out before/after table is printed at the end, as in report.md
+    # the held-out before/after table is printed at the end, as in report.md (this job's table:
+    # its rows, whose numbers are this run's, each printed on a line of the sweep's output)
     assert "| metric | base model (step 0) | trained (step 2) | change |" in output.splitlines()
     assert re.search(r"^\| reward/mean \| [0-9.]+ \| [0-9.]+ \| -?[0-9.]+ \|$", output, re.MULTILINE), output[-2000:]
-    assert os.path.exists(os.path.join(run_dir, "report.md"))
+    with open(os.path.join(run_dir, "report.md")) as f:
+        table = [line for line in f.read().splitlines() if line.startswith("| reward/mean |")]
+    assert table and table[0] in output.splitlines(), (table, output[-2000:])
     assert os.path.exists(os.path.join(run_dir, "config.yaml"))
 
 
-def test_multirun_trains_each_job_in_its_own_run_directory(tmp_path, tiny_args):
-    """Hydra's -m: algorithm=quatro,gspo is two runs, job i in <run.dir>/<i>; nothing is written
-    outside run.dir (no outputs/ or multirun/ where the command runs, the repository)."""
+def test_multirun_trains_each_job_in_its_own_run_directory(every_algorithm):
+    """Hydra's -m: algorithm=cispo,...,quatro is one run per algorithm, job i in <run.dir>/<i>;
+    nothing is written outside run.dir (no outputs/ or multirun/ where the command runs, the
+    repository)."""
     from .conftest import REPO
 
-    sweep_dir = tmp_path / "sweep"
-    code, output = finish(run_train(["-m", *tiny_args(str(sweep_dir), "algorithm=quatro,gspo", "trainer.steps=1")]))
-    assert code == 0, output
-    assert sorted(os.listdir(sweep_dir)) == ["0", "1", "multirun.yaml"]
-    for job, algorithm in enumerate(["quatro", "gspo"]):
+    sweep_dir, algorithms, _ = every_algorithm
+    assert sorted(os.listdir(sweep_dir)) == sorted([str(job) for job in range(len(algorithms))] + ["multirun.yaml"])
+    for job, algorithm in enumerate(algorithms):
         run_dir = sweep_dir / str(job)
         with open(run_dir / "report.json") as f:
             assert json.load(f)["algorithm"] == algorithm
-        assert [r["step"] for r in train_records(str(run_dir)) if r["kind"] == "train"] == [1]
+        assert [r["step"] for r in train_records(str(run_dir)) if r["kind"] == "train"] == [1, 2]
         assert not (run_dir / ".hydra").exists()
     assert not (REPO / "outputs").exists() and not (REPO / "multirun").exists()
 
