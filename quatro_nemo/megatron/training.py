@@ -24,8 +24,8 @@ micro-batches in the schedule).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import Dict, Iterator, List
 
 import torch
@@ -78,12 +78,13 @@ def precomputed_param_layout(model: torch.nn.Module, ddp_config) -> dict:
     else ``{}`` (0.16.1 computes the same layout inside DDP). The layout is what DDP itself would
     compute: ``DistributedOptimizer.compute_full_param_layout`` over the trainable parameters,
     no bucketing (``overlap_grad_reduce`` is off: one bucket per buffer), padded for the
-    data-parallel group with context parallelism."""
+    data-parallel group."""
     import inspect
 
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from quatro_nemo.megatron import parallel
 
     takes_layout = "full_param_layout" in inspect.signature(DistributedDataParallel.__init__).parameters
     if not (takes_layout and ddp_config.use_distributed_optimizer):
@@ -91,8 +92,9 @@ def precomputed_param_layout(model: torch.nn.Module, ddp_config) -> dict:
     if ddp_config.overlap_grad_reduce or ddp_config.num_distributed_optimizer_instances != 1:
         raise ValueError("precomputed_param_layout covers one bucket per buffer and one optimizer instance")
     params = [param for param in model.parameters() if param.requires_grad]
-    dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    return {"full_param_layout": DistributedOptimizer.compute_full_param_layout(params, None, dp_size, ddp_config)}
+    # DDP pads for its data-parallel group with context parallelism; the project has none (CP = 1)
+    return {"full_param_layout": DistributedOptimizer.compute_full_param_layout(params, None, parallel.dp_size(),
+                                                                               ddp_config)}
 
 
 def build_optimizer(ddp_model, settings: OptimizerSettings):
