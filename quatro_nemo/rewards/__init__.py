@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Protocol, Sequence
 
 # name -> "module:attribute" of a zero-argument factory (usually the class itself)
 _VERIFIERS: Dict[str, str] = {
-    "countdown": "quatro_nemo.rewards.countdown:CountdownVerifier",
+    "countdown": "quatro_nemo.tasks.countdown.verifier:CountdownVerifier",
     "math": "quatro_nemo.rewards.math_verifier:MathVerifier",
     "code": "quatro_nemo.rewards.code:CodeVerifier",
 }
