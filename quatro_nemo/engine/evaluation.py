@@ -1,4 +1,4 @@
-"""Held-out evaluation during training: n samples per problem -> reward, Pass@k, UCC@k, entropy.
+"""Held-out evaluation of a policy: n samples per problem -> reward, Pass@k, UCC@k, entropy.
 
 The metric definitions live in quatro_nemo.eval (quatro-math.md Sec. 6); this module only draws
 the samples with the rollout backend, scores them, and reduces per-problem statistics over the
@@ -32,7 +32,8 @@ EVAL_SEED_TAG = 7919  # separates the evaluation noise stream from the training 
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """Everything one held-out evaluation reads besides the policy, the task and the problems."""
+    """Everything one held-out evaluation reads besides the policy, the task and the problems
+    (built from validated config sections: the run's ``eval:``, the study's ``evaluation``)."""
 
     n_samples: int                  # responses per problem
     temperature: float

@@ -8,9 +8,9 @@ UCC@k for k = 1, 2, 4, ..., n, UCR, token entropy). The base model is the same f
 of a study (one warm-start), so it is evaluated once and reused.
 
 Every evaluation draws its sampling noise from the same seed (``evaluation.seed``, not the run's
-seed: :func:`quatro_nemo.engine.evaluation.eval_noise_seed` of it), keyed by problem and sample index, so all runs and the base model are compared on the same
-problems *and* the same random numbers: the evaluation is paired across methods as the training
-is paired by seed.
+seed; :func:`quatro_nemo.engine.evaluation.eval_noise_seed` of it), keyed by problem and sample
+index, so all runs and the base model are compared on the same problems *and* the same random
+numbers: the evaluation is paired across methods as the training is paired by seed.
 
 Usually run inside the study's job (:mod:`quatro_nemo.study.job`, right after the training);
 this module's command line evaluates a run trained before.
@@ -47,19 +47,19 @@ def summarize_rows(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def study_eval_settings(cfg, n_samples: int, top_p: float, temperature: float, seed: int):
-    """The study's evaluation of a run config at one top-p: the run's response length,
-    micro-batching and UCC criterion; the study's samples, sampling and noise seed (``seed``: the
-    same for every run and the base model)."""
+    """The study's EvalSettings for a run config: the run's response length, micro-batching and
+    UCC criterion; the study's samples, sampling and noise seed (``seed``: the same for every run
+    and the base model)."""
     from quatro_nemo.engine.evaluation import eval_noise_seed, training_eval_settings
 
     return dataclasses.replace(training_eval_settings(cfg), n_samples=n_samples, top_p=float(top_p),
                                temperature=float(temperature), seed=eval_noise_seed(seed))
 
 
-def evaluate_model(policy, task, problems: Sequence[Dict[str, Any]], settings_at, top_ps: Sequence[float],
+def evaluate_model(policy, task, problems: Sequence[Dict[str, Any]], settings, top_ps: Sequence[float],
                    step: int) -> List[Dict[str, Any]]:
-    """One record per top-p for `policy` (a built megatron model) on `problems`; ``settings_at(top_p)``
-    gives that evaluation's EvalSettings. Needs megatron initialised (TP=1, PP=1)."""
+    """One record per top-p for `policy` (a built megatron model) on `problems`, with `settings`
+    (an EvalSettings) at each top-p. Needs megatron initialised (TP=1, PP=1)."""
     import torch
 
     from quatro_nemo.engine.evaluation import evaluate_policy
@@ -70,7 +70,8 @@ def evaluate_model(policy, task, problems: Sequence[Dict[str, Any]], settings_at
     records = []
     for top_p in top_ps:
         with torch.no_grad():
-            metrics, rows = evaluate_policy(policy, backend, task, problems, settings_at(top_p))
+            metrics, rows = evaluate_policy(policy, backend, task, problems,
+                                            dataclasses.replace(settings, top_p=float(top_p)))
         records.append(dict(kind="study_eval", step=step, top_p=float(top_p), **metrics, **summarize_rows(rows)))
     return records
 
@@ -95,8 +96,8 @@ def evaluate_run(run_dir: str, num_problems: int, n_samples: int, top_ps: Sequen
         task = build_task(cfg)
         policy = build_model(task.model_config(cfg.model))
         ckpt.load_model_weights(run_dir, step, policy)   # any training layout loads into TP=1, PP=1
-        return evaluate_model(policy, task, task.heldout_problems[:num_problems],
-                              lambda p: study_eval_settings(cfg, n_samples, p, temperature, seed), top_ps, step)
+        settings = study_eval_settings(cfg, n_samples, top_ps[0], temperature, seed)
+        return evaluate_model(policy, task, task.heldout_problems[:num_problems], settings, top_ps, step)
     finally:
         parallel.destroy_parallel()
 
@@ -119,8 +120,8 @@ def evaluate_base(train_args: Sequence[str], num_problems: int, n_samples: int, 
     try:
         policy = build_model(model_cfg)
         load_full_state_dict(policy, state)
-        return evaluate_model(policy, task, task.heldout_problems[:num_problems],
-                              lambda p: study_eval_settings(cfg, n_samples, p, temperature, seed), top_ps, 0)
+        settings = study_eval_settings(cfg, n_samples, top_ps[0], temperature, seed)
+        return evaluate_model(policy, task, task.heldout_problems[:num_problems], settings, top_ps, 0)
     finally:
         parallel.destroy_parallel()
 
