@@ -46,7 +46,7 @@ from quatro_nemo.engine.logging import MetricsLogger
 from quatro_nemo.engine.report import heldout_table, write_report
 from quatro_nemo.engine.rollout import model_inputs
 from quatro_nemo.engine.rollout_backends import build_rollout_backend
-from quatro_nemo.engine.task import Task, build_task
+from quatro_nemo.engine.task import build_task
 from quatro_nemo.eval.samples import write_samples
 from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel, training
@@ -58,6 +58,7 @@ from quatro_nemo.megatron.models import build_model
 from quatro_nemo.megatron.quiet import quiet_library_warnings
 from quatro_nemo.megatron.checkpoint import load_full_state_dict
 from quatro_nemo.megatron.preemption import Preempted, PreemptionFlag
+from quatro_nemo.tasks.base import Task
 
 # --------------------------------------------------------------------------------------------
 # Small pieces the loop reads through
