@@ -39,7 +39,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from quatro_nemo.data.schema import read_problems  # noqa: E402
 from quatro_nemo.engine.config import (CONF_DIR, HYDRA_VERSION_BASE, ConfigError, config_errors_exit,  # noqa: E402
                                        omegaconf_error_message, run_hydra_app)
-from quatro_nemo.eval.report import DEFAULT_PAIRWISE_METRICS, EvalConfig, evaluate_runs, write_report  # noqa: E402
+from quatro_nemo.eval.report import DEFAULT_PAIRWISE_METRICS, MetricsConfig, evaluate_runs, write_report  # noqa: E402
 from quatro_nemo.eval.samples import load_samples, write_samples  # noqa: E402
 
 PRIMARY = "evaluate"   # conf/evaluate.yaml
@@ -54,7 +54,7 @@ DEFAULT_GENERATOR = "quatro_nemo.engine.generate:generate_samples"
 @dataclass
 class EvaluateRecipeConfig:
     """recipes/evaluate.py's keys (ConfigStore ``schema/evaluate``). The metric keys are
-    quatro_nemo.eval.report.EvalConfig's fields, which checks their values."""
+    quatro_nemo.eval.report.MetricsConfig's fields, which checks their values."""
 
     # inputs
     runs: Dict[str, str] = field(default_factory=dict)  # run name -> samples JSONL file
@@ -100,12 +100,12 @@ class EvaluateRecipeConfig:
                               "and/or checkpoint=DIR")
         try:
             self.metrics_config()
-        except ValueError as exc:  # EvalConfig names its field, which is the same key here
-            raise ConfigError(f"config key {str(exc).replace('EvalConfig.', '')}") from exc
+        except ValueError as exc:  # MetricsConfig names its field, which is the same key here
+            raise ConfigError(f"config key {str(exc).replace('MetricsConfig.', '')}") from exc
 
-    def metrics_config(self) -> EvalConfig:
-        metric_keys = {f.name for f in dataclasses.fields(EvalConfig)} & {f.name for f in dataclasses.fields(self)}
-        return EvalConfig(pairwise_metrics=tuple(self.pairwise_metrics),
+    def metrics_config(self) -> MetricsConfig:
+        metric_keys = {f.name for f in dataclasses.fields(MetricsConfig)} & {f.name for f in dataclasses.fields(self)}
+        return MetricsConfig(pairwise_metrics=tuple(self.pairwise_metrics),
                           **{key: getattr(self, key) for key in metric_keys - {"pairwise_metrics"}})
 
 

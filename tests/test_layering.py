@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "quatro_nemo"
 # Packages that reach the process groups only through quatro_nemo.megatron (parallel, collectives).
-ABOVE_MEGATRON = ("algos", "data", "rewards", "eval", "engine", "study")
+ABOVE_MEGATRON = ("algos", "data", "rewards", "eval", "tasks", "engine", "study")
 
 
 def test_import_linter_contracts_are_kept():

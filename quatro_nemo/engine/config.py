@@ -15,7 +15,7 @@ Command-line arguments are Hydra overrides, plus ``config=NAME`` to choose the p
 Every section is typed by a dataclass registered in Hydra's ConfigStore (:func:`register_configs`):
 the engine's sections below, ``model`` (quatro_nemo.megatron.models.ModelConfig), ``algorithm``
 (the chosen algorithm's config, quatro_nemo.algos.schema), ``task`` (quatro_nemo.engine.task),
-``warmstart`` (quatro_nemo.engine.warmstart) and ``cluster``/``scale``/``vllm``
+``warmstart`` (quatro_nemo.tasks.countdown.warmstart) and ``cluster``/``scale``/``vllm``
 (quatro_nemo.engine.memory_plan). Composition order (later wins): the schema's defaults, group
 options, the primary file's own keys, command-line overrides. Unknown keys and ill-typed values
 fail while Hydra composes (OmegaConf struct mode against the schema); :func:`validate` then builds
@@ -41,7 +41,7 @@ from quatro_nemo.algos.schema import algorithm_schema, register_algorithm_schema
 from quatro_nemo.engine.memory_plan import (ClusterConfig, MemoryPlan, PlanError, ScaleConfig, VllmConfig,
                                            plan_from_sections)
 from quatro_nemo.engine.task import TASK_SCHEMAS, register_task_schemas, task_vocab_size
-from quatro_nemo.engine.warmstart import WarmStartConfig
+from quatro_nemo.tasks.countdown.warmstart import WarmStartConfig
 from quatro_nemo.megatron.models import ModelConfig
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")

@@ -1,15 +1,19 @@
-"""Held-out evaluation during training: n samples per problem -> reward, Pass@k, UCC@k, entropy.
+"""Held-out evaluation of a policy: n samples per problem -> reward, Pass@k, UCC@k, entropy.
 
 The metric definitions live in quatro_nemo.eval (quatro-math.md Sec. 6); this module only draws
 the samples with the rollout backend, scores them, and reduces per-problem statistics over the
 data-parallel ranks. Each evaluation uses the same sampling noise (keyed by the problem, not the
 step), so differences between evaluations come from the policy, not the draw.
+
+The one evaluation path of a policy: the training loop (:func:`training_eval_settings`), the
+study (:mod:`quatro_nemo.study.evaluation`) and recipes/evaluate.py's ``checkpoint=``
+(:mod:`quatro_nemo.engine.generate`) all sample held-out responses with
+:func:`sample_responses`; the first two score them with :func:`evaluate_policy`.
 """
 from __future__ import annotations
 
-import json
-import os
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -24,6 +28,47 @@ from quatro_nemo.megatron.forward import compute_logprobs
 from quatro_nemo.megatron.sampling import SamplingParams
 
 EVAL_SEED_TAG = 7919  # separates the evaluation noise stream from the training one
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Everything one held-out evaluation reads besides the policy, the task and the problems
+    (built from validated config sections: the run's ``eval:``, the study's ``evaluation``)."""
+
+    n_samples: int                  # responses per problem
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int                       # the sampling noise: the same seed draws the same random numbers
+    micro_batching: MicroBatching   # of the forward pass that measures the token entropy
+    ucc_criterion: str = "exact"    # distinct correct solutions: "task" (the task's canonical form)
+    ucc_threshold: float = 1.0      # or a quatro_nemo.eval.similarity metric with this threshold
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
+                              seed=self.seed)
+
+
+def eval_noise_seed(seed: int) -> int:
+    """The evaluation's sampling seed for a run (or study) seed: apart from the training rollouts'."""
+    return seed + EVAL_SEED_TAG
+
+
+def training_eval_settings(cfg) -> EvalSettings:
+    """The held-out evaluation of a run config (``eval:``, ``rollout.max_new_tokens``,
+    ``parallel:``), its noise from ``run.seed``."""
+    ev = cfg.eval
+    return EvalSettings(n_samples=ev.n_samples, temperature=ev.temperature, top_p=ev.top_p,
+                        max_new_tokens=cfg.rollout.max_new_tokens, seed=eval_noise_seed(cfg.run.seed),
+                        micro_batching=MicroBatching.from_parallel_config(cfg.parallel),
+                        ucc_criterion=ev.ucc_criterion, ucc_threshold=ev.ucc_threshold)
+
+
+def sample_responses(task, backend, problems: Sequence[Dict[str, Any]], prompt_indices: Sequence[int],
+                     settings: EvalSettings) -> Tuple[Any, List[str]]:
+    """``settings.n_samples`` responses per problem (grouped) and their texts; the noise of each
+    row depends only on ``settings.seed`` and the problem's index in ``prompt_indices``."""
+    return task.sample(backend, problems, prompt_indices, settings.n_samples, settings.sampling_params())
 
 
 def cluster_sizes(problem: Dict[str, Any], correct_responses: Sequence[str], criterion: str,
@@ -45,14 +90,14 @@ def cluster_sizes(problem: Dict[str, Any], correct_responses: Sequence[str], cri
     return cluster_near_duplicates(list(correct_responses), criterion, threshold)
 
 
-def evaluate_policy(policy, backend, task, problems: Sequence[Dict[str, Any]], cfg,
-                    samples_path: Optional[str] = None) -> Dict[str, Any]:
-    """Sample cfg.eval.n_samples responses for each problem and compute the held-out metrics.
+def evaluate_policy(policy, backend, task, problems: Sequence[Dict[str, Any]],
+                    settings: EvalSettings) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """Sample ``settings.n_samples`` responses for each problem and compute the held-out metrics.
 
-    Collective over all ranks. Returns the same metrics dict on every rank; with `samples_path`
-    rank 0 also writes the samples (the JSONL recipes/evaluate.py reads)."""
-    ev = cfg.eval
-    n = ev.n_samples
+    Collective over all ranks. Returns ``(metrics, rows)``, the same on every rank: the metrics
+    dict and one row per problem in the samples format (quatro_nemo.eval.samples: id, benchmark,
+    answer, responses, rewards, num_correct, cluster_sizes)."""
+    n = settings.n_samples
     dp, dp_rank = parallel.dp_size(), parallel.dp_rank()
     per_rank = -(-len(problems) // dp)
     mine = list(range(dp_rank * per_rank, min(len(problems), (dp_rank + 1) * per_rank)))
@@ -60,12 +105,10 @@ def evaluate_policy(policy, backend, task, problems: Sequence[Dict[str, Any]], c
     rows: List[Dict[str, Any]] = []
     entropy_sum = token_count = 0.0
     if local_problems:
-        params = SamplingParams(temperature=ev.temperature, top_p=ev.top_p,
-                                max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.run.seed + EVAL_SEED_TAG)
-        rollout, responses = task.sample(backend, local_problems, mine, n, params)
+        rollout, responses = sample_responses(task, backend, local_problems, mine, settings)
         rewards = task.verifier.score_batch([p for p in local_problems for _ in range(n)], responses)
         batch = model_inputs(rollout, current_device())
-        _, entropy = compute_logprobs(policy, batch, MicroBatching.from_parallel_config(cfg.parallel))
+        _, entropy = compute_logprobs(policy, batch, settings.micro_batching)
         mask = rollout.response_mask.float().to(entropy.device)
         entropy_sum, token_count = float((entropy * mask).sum()), float(mask.sum())
         for j, problem in enumerate(local_problems):
@@ -75,8 +118,8 @@ def evaluate_policy(policy, backend, task, problems: Sequence[Dict[str, Any]], c
             rows.append({"id": problem["id"], "benchmark": problem.get("benchmark", "heldout"),
                          "answer": problem.get("answer"), "responses": list(texts), "rewards": list(scores),
                          "num_correct": len(correct),
-                         "cluster_sizes": cluster_sizes(problem, correct, ev.ucc_criterion, ev.ucc_threshold,
-                                                        task.solution_key)})
+                         "cluster_sizes": cluster_sizes(problem, correct, settings.ucc_criterion,
+                                                        settings.ucc_threshold, task.solution_key)})
     gathered = dp_all_gather_objects((rows, entropy_sum, token_count))
     rows = [row for part, _, _ in gathered for row in part]
     entropy_total = sum(e for _, e, _ in gathered)
@@ -94,9 +137,4 @@ def evaluate_policy(policy, backend, task, problems: Sequence[Dict[str, Any]], c
         metrics[f"pass@{k}"] = float(pass_at_k(n, correct_counts, k).mean())
         metrics[f"ucc@{k}"] = float(np.mean([ucc_at_k(n, row["cluster_sizes"], k) for row in rows]))
     metrics["ucr"] = float(np.mean([unique_correct_ratio(n, len(row["cluster_sizes"])) for row in rows]))
-    if samples_path and parallel.is_rank_zero():
-        os.makedirs(os.path.dirname(samples_path), exist_ok=True)
-        with open(samples_path, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-    return metrics
+    return metrics, rows

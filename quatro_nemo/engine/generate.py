@@ -7,6 +7,7 @@ model. Checkpoints of multi-rank runs are sharded per rank: export them to Huggi
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Dict, List, Sequence
 
@@ -15,11 +16,11 @@ from omegaconf import OmegaConf
 
 from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine.config import validate
+from quatro_nemo.engine.evaluation import sample_responses, training_eval_settings
 from quatro_nemo.engine.rollout import MegatronRolloutBackend
 from quatro_nemo.engine.task import build_task
 from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.models import build_model
-from quatro_nemo.megatron.sampling import SamplingParams
 
 
 def _run_dir_and_step(checkpoint: str):
@@ -43,9 +44,10 @@ def generate_samples(checkpoint: str, problems: Sequence[Dict[str, Any]], num_sa
     model = build_model(task.model_config(cfg.model))
     ckpt.load_model_weights(run_dir, step, model)   # any training layout loads into TP=1, PP=1
     backend = MegatronRolloutBackend(model, stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    settings = dataclasses.replace(training_eval_settings(cfg), n_samples=num_samples, temperature=temperature,
+                                   top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     with torch.no_grad():
-        _, responses = task.sample(backend, problems, range(len(problems)), num_samples, params)
+        _, responses = sample_responses(task, backend, problems, range(len(problems)), settings)
     # the problem's own fields stay: verifiers need more than the answer (countdown: numbers, target)
     return [dict(p, benchmark=p.get("benchmark", "heldout"), responses=responses[i * num_samples:(i + 1) * num_samples])
             for i, p in enumerate(problems)]

@@ -41,12 +41,13 @@ from quatro_nemo.algos.adaptive_delta import DeltaController, achieved_kl
 from quatro_nemo.algos.importance import ImportanceCorrection, truncated_importance_weights
 from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine.config import ExperimentConfig
-from quatro_nemo.engine.evaluation import evaluate_policy
+from quatro_nemo.engine.evaluation import evaluate_policy, training_eval_settings
 from quatro_nemo.engine.logging import MetricsLogger
 from quatro_nemo.engine.report import heldout_table, write_report
 from quatro_nemo.engine.rollout import model_inputs
 from quatro_nemo.engine.rollout_backends import build_rollout_backend
-from quatro_nemo.engine.task import Task, build_task
+from quatro_nemo.engine.task import build_task
+from quatro_nemo.eval.samples import write_samples
 from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel, training
 from quatro_nemo.megatron.compat import current_device
@@ -57,6 +58,7 @@ from quatro_nemo.megatron.models import build_model
 from quatro_nemo.megatron.quiet import quiet_library_warnings
 from quatro_nemo.megatron.checkpoint import load_full_state_dict
 from quatro_nemo.megatron.preemption import Preempted, PreemptionFlag
+from quatro_nemo.tasks.base import Task
 
 # --------------------------------------------------------------------------------------------
 # Small pieces the loop reads through
@@ -352,8 +354,10 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     heldout = task.heldout_problems[:cfg.eval.num_problems]
 
     def evaluate(step: int) -> Dict[str, Any]:
-        samples_path = os.path.join(run_dir, "eval", f"samples_step{step:06d}.jsonl")
-        eval_metrics = evaluate_policy(policy, backend, task, heldout, cfg, samples_path)
+        eval_metrics, rows = evaluate_policy(policy, backend, task, heldout, training_eval_settings(cfg))
+        if rank0:   # the samples recipes/evaluate.py and the run report read
+            os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
+            write_samples(os.path.join(run_dir, "eval", f"samples_step{step:06d}.jsonl"), rows)
         logger.log(step, eval_metrics, kind="eval")
         return eval_metrics
 

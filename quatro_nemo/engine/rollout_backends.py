@@ -17,7 +17,7 @@ BACKENDS = ("megatron", "vllm")
 def build_rollout_backend(cfg: "ExperimentConfig", model, model_config, task) -> RolloutBackend:
     """The backend ``cfg.rollout.backend`` names, built for the policy ``model`` (this rank's
     stage), its ``model_config`` (:class:`~quatro_nemo.megatron.models.ModelConfig`) and the
-    ``task`` (:class:`~quatro_nemo.engine.task.Task`: end and pad tokens)."""
+    ``task`` (:class:`~quatro_nemo.tasks.base.Task`: end and pad tokens)."""
     name = cfg.rollout.backend
     if name == "megatron":
         return MegatronRolloutBackend(model, stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)

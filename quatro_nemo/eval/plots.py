@@ -13,7 +13,8 @@ from quatro_nemo.eval.flip import bucket_range as _bucket_range
 from quatro_nemo.eval.tables import AVERAGE
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (the figures of every report)."""
     import matplotlib
 
     matplotlib.use("Agg")                       # files only, no display
@@ -23,7 +24,7 @@ def _pyplot():
 
 
 def plot_pass_at_k(report: Dict[str, Any], path: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     runs = report["runs"]
     sections = [AVERAGE] + sorted({b for r in runs.values() for b in r["benchmarks"]})
     cols = min(4, len(sections))
@@ -60,7 +61,7 @@ def _grouped_bars(ax: Any, groups: List[str], series: Dict[str, List[float]]) ->
 
 
 def plot_ucc_at_k(report: Dict[str, Any], path: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     runs = report["runs"]
     ks = next(iter(runs.values()))["ucc_ks"]
     fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(ks) * max(1, len(runs)) / 2), 3.5))
@@ -79,7 +80,7 @@ def plot_similarity(report: Dict[str, Any], path: str) -> bool:
     metrics = list(report["config"]["pairwise_metrics"])
     if not metrics:
         return False
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.6 * len(metrics), 3), squeeze=False)
     for ax, metric in zip(axes.flat, metrics):
         for name, run in report["runs"].items():
@@ -100,7 +101,7 @@ def plot_flip_rate(report: Dict[str, Any], path: str) -> bool:
     flips = report.get("flip") or {}
     if not flips:
         return False
-    plt = _pyplot()
+    plt = pyplot()
     first = next(iter(flips.values()))["buckets"]
     groups = [f"{b['name']}\n{_bucket_range(b)}" for b in first]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5), gridspec_kw={"width_ratios": [1, 3]})

@@ -1,8 +1,8 @@
 """Evaluate sample sets (one per run/method) into the paper's tables (paper Sec. 4, App. C).
 
-    from quatro_nemo.eval.report import EvalConfig, evaluate_runs, write_report
+    from quatro_nemo.eval.report import MetricsConfig, evaluate_runs, write_report
     report = evaluate_runs({"grpo": grpo_samples, "quatro": quatro_samples},
-                           EvalConfig(base_run="base"), verifier="math")
+                           MetricsConfig(base_run="base"), verifier="math")
     write_report(report, "out/")       # report.md, metrics.csv, report.json, *.png
 
 Per problem: n samples, c correct; Pass@k (unbiased, :func:`quatro_nemo.eval.passk.pass_at_k`);
@@ -33,8 +33,10 @@ DEFAULT_PAIRWISE_METRICS = ("tfidf", "rouge_l", "jaccard", "edit")   # paper App
 
 
 @dataclasses.dataclass
-class EvalConfig:
-    """What to compute. Validated on construction (ValueError naming the field)."""
+class MetricsConfig:
+    """What :func:`evaluate_runs` computes from samples files (recipes/evaluate.py's metric keys;
+    a run's own held-out evaluation is its ``eval:`` section, quatro_nemo.engine.config.EvalConfig).
+    Validated on construction (ValueError naming the field)."""
 
     ks: Optional[List[int]] = None              # Pass@k grid; None: 1, 2, 4, ..., n
     ucc_ks: Optional[List[int]] = None          # UCC@k grid; None: same as ks
@@ -56,22 +58,22 @@ class EvalConfig:
         for name in ("ks", "ucc_ks"):
             value = getattr(self, name)
             if value is not None and (not value or any(int(k) < 1 for k in value)):
-                raise ValueError(f"EvalConfig.{name} must be a non-empty list of k >= 1, got {value}")
+                raise ValueError(f"MetricsConfig.{name} must be a non-empty list of k >= 1, got {value}")
         ucc_choices = (("ucc_metric", self.ucc_metric),) if self.ucc_metric != PRECOMPUTED else ()
         for name, value in ucc_choices + tuple(("pairwise_metrics", m) for m in self.pairwise_metrics):
             if value not in SIMILARITY_METRICS:
-                raise ValueError(f"EvalConfig.{name}: unknown similarity {value!r}; "
+                raise ValueError(f"MetricsConfig.{name}: unknown similarity {value!r}; "
                                  f"choose from {sorted(SIMILARITY_METRICS)}")
         if self.ucc_threshold is None:
             self.ucc_threshold = DEFAULT_THRESHOLDS.get(self.ucc_metric, 1.0)
         if not 0.0 <= self.ucc_threshold <= 1.0:
-            raise ValueError(f"EvalConfig.ucc_threshold must be in [0, 1], got {self.ucc_threshold}")
+            raise ValueError(f"MetricsConfig.ucc_threshold must be in [0, 1], got {self.ucc_threshold}")
         if self.max_pairwise_responses < 2:
-            raise ValueError(f"EvalConfig.max_pairwise_responses must be >= 2, got {self.max_pairwise_responses}")
+            raise ValueError(f"MetricsConfig.max_pairwise_responses must be >= 2, got {self.max_pairwise_responses}")
         if not 0.0 < self.correct_threshold <= 1.0:
-            raise ValueError(f"EvalConfig.correct_threshold must be in (0, 1], got {self.correct_threshold}")
+            raise ValueError(f"MetricsConfig.correct_threshold must be in (0, 1], got {self.correct_threshold}")
         if self.workers < 1:
-            raise ValueError(f"EvalConfig.workers must be >= 1, got {self.workers}")
+            raise ValueError(f"MetricsConfig.workers must be >= 1, got {self.workers}")
         self.pairwise_metrics = tuple(self.pairwise_metrics)
         self.bucket_edges = tuple(self.bucket_edges)
 
@@ -109,7 +111,7 @@ def grade_samples(records: Sequence[Dict[str, Any]], verifier: Any) -> Tuple[Lis
 # per problem
 
 
-def evaluate_problem(responses: Sequence[str], rewards: Sequence[float], config: EvalConfig,
+def evaluate_problem(responses: Sequence[str], rewards: Sequence[float], config: MetricsConfig,
                      ks: Sequence[int], ucc_ks: Sequence[int], rng: np.random.Generator,
                      cluster_sizes: Optional[Sequence[int]] = None) -> Dict[str, Any]:
     """Metrics of one problem (n responses and their rewards; `cluster_sizes` when precomputed)."""
@@ -180,7 +182,7 @@ def _average_over_benchmarks(per_benchmark: Dict[str, Dict[str, Any]]) -> Dict[s
     return avg
 
 
-def evaluate_run(records: Sequence[Dict[str, Any]], config: EvalConfig, verifier: Any = None) -> Dict[str, Any]:
+def evaluate_run(records: Sequence[Dict[str, Any]], config: MetricsConfig, verifier: Any = None) -> Dict[str, Any]:
     """Per-benchmark and averaged metrics of one run's samples, plus per-problem details."""
     to_grade = [i for i, r in enumerate(records) if config.regrade or r.get("rewards") is None]
     rewards = [r.get("rewards") for r in records]
@@ -229,24 +231,24 @@ def evaluate_run(records: Sequence[Dict[str, Any]], config: EvalConfig, verifier
             "ks": ks, "ucc_ks": ucc_ks}
 
 
-def evaluate_runs(runs: Dict[str, Sequence[Dict[str, Any]]], config: Optional[EvalConfig] = None,
+def evaluate_runs(runs: Dict[str, Sequence[Dict[str, Any]]], config: Optional[MetricsConfig] = None,
                   verifier: Any = "math", verifier_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Evaluate several runs side by side; the entry point of recipes/evaluate.py and of the
     training loop's final report.
 
     Args:
         runs: run name -> list of sample records (see quatro_nemo.eval.samples).
-        config: what to compute (EvalConfig()).
+        config: what to compute (MetricsConfig()).
         verifier: a verifier object, or a name for ``quatro_nemo.rewards.get_verifier``; only built
             when some record has no precomputed rewards.
     Returns:
         a JSON-able dict: {"config", "runs": {name: evaluate_run(...)}, "flip": {name: ...}}.
     """
-    config = config or EvalConfig()
+    config = config or MetricsConfig()
     if not runs:
         raise ValueError("evaluate_runs needs at least one run")
     if config.base_run is not None and config.base_run not in runs:
-        raise ValueError(f"EvalConfig.base_run {config.base_run!r} is not one of the runs {sorted(runs)}")
+        raise ValueError(f"MetricsConfig.base_run {config.base_run!r} is not one of the runs {sorted(runs)}")
     needs_verifier = any(config.regrade or r.get("rewards") is None for recs in runs.values() for r in recs)
     owned = None
     if needs_verifier and isinstance(verifier, str):

@@ -20,7 +20,8 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> List[str]:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> List[str]:
+    """A Markdown table (then a blank line) of ``rows``; floats with 4 decimals, None and NaN as "-"."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
     return lines + [""]
@@ -48,7 +49,7 @@ def to_markdown(report: Dict[str, Any]) -> str:
             ks = next(iter(runs.values()))[ks_key]
             rows = [[name] + [(_summary(run, section) or {}).get(key, {}).get(k) for k in ks]
                     for name, run in runs.items() if _summary(run, section)]
-            lines += [f"## {title}: {section}", ""] + _markdown_table(["run"] + [f"k={k}" for k in ks], rows)
+            lines += [f"## {title}: {section}", ""] + markdown_table(["run"] + [f"k={k}" for k in ks], rows)
     metrics = list(cfg["pairwise_metrics"])
     for section in _sections(report):
         rows = []
@@ -60,14 +61,14 @@ def to_markdown(report: Dict[str, Any]) -> str:
         lines += [f"## Diversity and entropy: {section}", "",
                   "Similarity columns: mean pairwise similarity among correct responses (lower = more diverse). "
                   "entropy: mean full-vocabulary token entropy; nll: -mean log p(sampled token).", ""]
-        lines += _markdown_table(["run", "problems", "n", "mean acc", "UCR"] + [f"sim {m}" for m in metrics]
+        lines += markdown_table(["run", "problems", "n", "mean acc", "UCR"] + [f"sim {m}" for m in metrics]
                                  + ["entropy", "nll"], rows)
     statuses = sorted({st for run in runs.values() for st in run[AVERAGE]["grading"]})
     if statuses:
         rows = [[name] + [run[AVERAGE]["grading"].get(st, 0) for st in statuses] for name, run in runs.items()]
         lines += ["## Grading outcomes (responses)", "",
                   "timeout / error: the check did not finish or failed; counted incorrect.", ""]
-        lines += _markdown_table(["run"] + statuses, rows)
+        lines += markdown_table(["run"] + statuses, rows)
     if report.get("flip"):
         lines += [f"## Flip rate vs base run `{cfg['base_run']}`", "",
                   "Buckets by the base run's correct count out of 256. flip rate: base-unsolved problems "
@@ -77,7 +78,7 @@ def to_markdown(report: Dict[str, Any]) -> str:
         rows = [[name, f["num_problems"], f["flip_rate"]]
                 + [f"{_fmt(b['improvement_rate'])} (n={b['num_problems']})" for b in f["buckets"]]
                 for name, f in report["flip"].items()]
-        lines += _markdown_table(header, rows)
+        lines += markdown_table(header, rows)
     return "\n".join(lines)
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import Any, Dict, List, Protocol, Sequence
 
-# name -> "module:attribute" of a zero-argument factory (usually the class itself)
+# name -> "module:attribute" of a zero-argument factory (usually the class itself); a task's own
+# verifier lives with its task (countdown: quatro_nemo.tasks.countdown) and is found here by name
 _VERIFIERS: Dict[str, str] = {
-    "countdown": "quatro_nemo.rewards.countdown:CountdownVerifier",
+    "countdown": "quatro_nemo.tasks.countdown.verifier:CountdownVerifier",
     "math": "quatro_nemo.rewards.math_verifier:MathVerifier",
     "code": "quatro_nemo.rewards.code:CodeVerifier",
 }

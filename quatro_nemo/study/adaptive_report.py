@@ -8,8 +8,8 @@ import json
 import os
 from typing import Any, Dict, List, Sequence
 
-from quatro_nemo.eval.plots import _pyplot
-from quatro_nemo.eval.tables import _markdown_table as _table
+from quatro_nemo.eval.plots import pyplot
+from quatro_nemo.eval.tables import markdown_table as _table
 from quatro_nemo.eval.tables import to_jsonable
 from quatro_nemo.study.adaptive import (FULL_EVALUATION_NOTE, AdaptivePlan, adaptive_kmax, evaluate_adaptive_claims,
                                         retention)
@@ -39,7 +39,7 @@ def plot_frontier(study: Study, kmax: int, path: str) -> bool:
     """Per task: pass@1 against pass@kmax and against UCC@kmax at the default condition; the
     fixed-delta sweep as a line (each point labelled), every strategy as a marker, the base model
     as a star; error bars are the std over seeds."""
-    plt = _pyplot()
+    plt = pyplot()
     plan: AdaptivePlan = study.plan.adaptive
     p = study.claim_top_p
     keys = [f"pass@{kmax}", f"ucc@{kmax}"]
@@ -72,7 +72,7 @@ def plot_frontier(study: Study, kmax: int, path: str) -> bool:
 def plot_radius(study: Study, path: str) -> bool:
     """The radius over training of every strategy (mean over seeds), one panel per task, one line
     per condition: the controller's delta, or the per-query rule's mean delta_q."""
-    plt = _pyplot()
+    plt = pyplot()
     plan: AdaptivePlan = study.plan.adaptive
     fig, axes = plt.subplots(1, len(plan.tasks), figsize=(5.0 * len(plan.tasks), 3.6), squeeze=False)
     drawn = False

@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 
 from quatro_nemo.algos import ALGORITHMS
 from quatro_nemo.algos.config import QUATRO_LOG_RATIOS, QuatroConfig
-from quatro_nemo.rewards.countdown import REWARD_KINDS
+from quatro_nemo.tasks.countdown.verifier import REWARD_KINDS
 
 STUDY_CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "conf", "study")

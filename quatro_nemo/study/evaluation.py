@@ -8,9 +8,9 @@ UCC@k for k = 1, 2, 4, ..., n, UCR, token entropy). The base model is the same f
 of a study (one warm-start), so it is evaluated once and reused.
 
 Every evaluation draws its sampling noise from the same seed (``evaluation.seed``, not the run's
-seed), keyed by problem and sample index, so all runs and the base model are compared on the same
-problems *and* the same random numbers: the evaluation is paired across methods as the training
-is paired by seed.
+seed; :func:`quatro_nemo.engine.evaluation.eval_noise_seed` of it), keyed by problem and sample
+index, so all runs and the base model are compared on the same problems *and* the same random
+numbers: the evaluation is paired across methods as the training is paired by seed.
 
 Usually run inside the study's job (:mod:`quatro_nemo.study.job`, right after the training);
 this module's command line evaluates a run trained before.
@@ -25,25 +25,19 @@ counts (``num_correct``, ``num_distinct``) from which the success-rate spread is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
-import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
 STUDY_EVAL = "study_eval.jsonl"     # a run's evaluation records, written last (the run's "done" mark)
 
 
-def eval_overrides(num_problems: int, n_samples: int, top_p: float, temperature: float, seed: int) -> List[str]:
-    """Config overrides of one evaluation: the problems, samples, sampling and the shared noise seed
-    (evaluate_policy keys its noise by run.seed)."""
-    return [f"eval.num_problems={num_problems}", f"eval.n_samples={n_samples}", f"eval.top_p={top_p!r}",
-            f"eval.temperature={temperature!r}", f"run.seed={seed}"]
-
-
 def summarize_rows(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """Per-problem counts and the diversity figures of one evaluation's sample rows (the rows
-    :func:`evaluate_policy` writes: num_correct and the sizes of the distinct-correct clusters)."""
+    :func:`quatro_nemo.engine.evaluation.evaluate_policy` returns: num_correct and the sizes of the
+    distinct-correct clusters)."""
     num_correct = [int(r["num_correct"]) for r in rows]
     num_distinct = [len(r["cluster_sizes"]) for r in rows]
     solved = [d for c, d in zip(num_correct, num_distinct) if c > 0]
@@ -52,12 +46,22 @@ def summarize_rows(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
             "distinct_correct_per_solved": sum(solved) / len(solved) if solved else 0.0}
 
 
-def evaluate_model(policy, task, cfg_for, top_ps: Sequence[float], step: int) -> List[Dict[str, Any]]:
-    """One record per top-p for `policy` (a built megatron model); ``cfg_for(top_p)`` gives the
-    ExperimentConfig of that evaluation. Needs megatron initialised (TP=1, PP=1)."""
+def study_eval_settings(cfg, n_samples: int, top_p: float, temperature: float, seed: int):
+    """The study's EvalSettings for a run config: the run's response length, micro-batching and
+    UCC criterion; the study's samples, sampling and noise seed (``seed``: the same for every run
+    and the base model)."""
+    from quatro_nemo.engine.evaluation import eval_noise_seed, training_eval_settings
+
+    return dataclasses.replace(training_eval_settings(cfg), n_samples=n_samples, top_p=float(top_p),
+                               temperature=float(temperature), seed=eval_noise_seed(seed))
+
+
+def evaluate_model(policy, task, problems: Sequence[Dict[str, Any]], settings, top_ps: Sequence[float],
+                   step: int) -> List[Dict[str, Any]]:
+    """One record per top-p for `policy` (a built megatron model) on `problems`, with `settings`
+    (an EvalSettings) at each top-p. Needs megatron initialised (TP=1, PP=1)."""
     import torch
 
-    from quatro_nemo.data.schema import iter_jsonl
     from quatro_nemo.engine.evaluation import evaluate_policy
     from quatro_nemo.engine.rollout import MegatronRolloutBackend
 
@@ -65,22 +69,11 @@ def evaluate_model(policy, task, cfg_for, top_ps: Sequence[float], step: int) ->
     backend = MegatronRolloutBackend(policy, stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
     records = []
     for top_p in top_ps:
-        cfg = cfg_for(top_p)
-        problems = task.heldout_problems[:cfg.eval.num_problems]
-        with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-            path = os.path.join(tmp, "samples.jsonl")
-            metrics = evaluate_policy(policy, backend, task, problems, cfg, path)
-            rows = [row for _, row in iter_jsonl(path)]
+        with torch.no_grad():
+            metrics, rows = evaluate_policy(policy, backend, task, problems,
+                                            dataclasses.replace(settings, top_p=float(top_p)))
         records.append(dict(kind="study_eval", step=step, top_p=float(top_p), **metrics, **summarize_rows(rows)))
     return records
-
-
-def _config_with(raw, overrides: Sequence[str]):
-    from omegaconf import OmegaConf
-
-    from quatro_nemo.engine.config import validate
-
-    return validate(OmegaConf.merge(raw, OmegaConf.from_dotlist(list(overrides))))
 
 
 def evaluate_run(run_dir: str, num_problems: int, n_samples: int, top_ps: Sequence[float], temperature: float,
@@ -89,22 +82,22 @@ def evaluate_run(run_dir: str, num_problems: int, n_samples: int, top_ps: Sequen
     from omegaconf import OmegaConf
 
     from quatro_nemo.engine import checkpoint as ckpt
+    from quatro_nemo.engine.config import validate
     from quatro_nemo.engine.task import build_task
     from quatro_nemo.megatron import parallel
     from quatro_nemo.megatron.models import build_model
 
-    raw = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    cfg = validate(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
     step = ckpt.latest_step(run_dir)
     if step is None:
         raise FileNotFoundError(f"{run_dir}: no complete checkpoint to evaluate")
-    cfg_for = lambda p: _config_with(raw, eval_overrides(num_problems, n_samples, p, temperature, seed))  # noqa: E731
-    cfg = cfg_for(top_ps[0])
     parallel.initialize_parallel(1, 1, seed=seed)
     try:
         task = build_task(cfg)
         policy = build_model(task.model_config(cfg.model))
         ckpt.load_model_weights(run_dir, step, policy)   # any training layout loads into TP=1, PP=1
-        return evaluate_model(policy, task, cfg_for, top_ps, step)
+        settings = study_eval_settings(cfg, n_samples, top_ps[0], temperature, seed)
+        return evaluate_model(policy, task, task.heldout_problems[:num_problems], settings, top_ps, step)
     finally:
         parallel.destroy_parallel()
 
@@ -119,8 +112,7 @@ def evaluate_base(train_args: Sequence[str], num_problems: int, n_samples: int, 
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
     from quatro_nemo.megatron.models import build_model
 
-    cfg_for = lambda p: load_config(list(train_args) + eval_overrides(num_problems, n_samples, p, temperature, seed))  # noqa: E731
-    cfg = cfg_for(top_ps[0])
+    cfg = load_config(list(train_args))
     task = build_task(cfg)
     model_cfg = task.model_config(cfg.model)
     state = task.load_base_state(model_cfg)        # before megatron: may train the warm-start
@@ -128,7 +120,8 @@ def evaluate_base(train_args: Sequence[str], num_problems: int, n_samples: int, 
     try:
         policy = build_model(model_cfg)
         load_full_state_dict(policy, state)
-        return evaluate_model(policy, task, cfg_for, top_ps, 0)
+        settings = study_eval_settings(cfg, n_samples, top_ps[0], temperature, seed)
+        return evaluate_model(policy, task, task.heldout_problems[:num_problems], settings, top_ps, 0)
     finally:
         parallel.destroy_parallel()
 

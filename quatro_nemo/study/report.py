@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from quatro_nemo.eval.plots import _pyplot
-from quatro_nemo.eval.tables import _markdown_table as _table
+from quatro_nemo.eval.plots import pyplot
+from quatro_nemo.eval.tables import markdown_table as _table
 from quatro_nemo.eval.tables import to_jsonable
 from quatro_nemo.study.analysis import (Claim, Stat, Study, breaking_points, claims_to_json, entropy_retention,
                                         final_metric, identical_methods, ks_of, mean_over_training, peak_over_training,
@@ -55,7 +55,7 @@ def _save(fig, plt, path: str) -> None:
 
 def plot_at_k(study: Study, prefix: str, ylabel: str, path: str) -> bool:
     """Mean ± std over seeds of a metric against k, one panel per top-p, every method."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(study.top_ps), figsize=(5.2 * len(study.top_ps), 3.8), squeeze=False)
     drawn = False
     for ax, top_p in zip(axes.flat, study.top_ps):
@@ -81,7 +81,7 @@ def plot_at_k(study: Study, prefix: str, ylabel: str, path: str) -> bool:
 def plot_frontier(study: Study, kmax: int, path: str) -> bool:
     """pass@1 against pass@kmax (and against UCC@kmax) for every method and every delta: the
     accuracy / diversity frontier, one point per setting (mean over its seeds)."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = [(top_p, f"pass@{kmax}") for top_p in study.top_ps] + [(study.claim_top_p, f"ucc@{kmax}")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4.0), squeeze=False)
     plan = study.plan
@@ -117,7 +117,7 @@ def finish_frontier_panel(ax, study: Study, top_p: float, key: str, title: str) 
 
 def plot_curves(study: Study, settings: Dict[str, Any], seeds: Sequence[int], keys: Sequence[str],
                 titles: Sequence[str], path: str) -> bool:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.5), squeeze=False)
     drawn = False
     for ax, key, title in zip(axes.flat, keys, titles):
@@ -136,7 +136,7 @@ def plot_curves(study: Study, settings: Dict[str, Any], seeds: Sequence[int], ke
 
 
 def plot_sweep(study: Study, sweep: Dict[str, Dict[Any, Any]], axis_label: str, path: str, log_x: bool) -> bool:
-    plt = _pyplot()
+    plt = pyplot()
     p = study.claim_top_p
     panels = [("final held-out reward", final_metric("reward/mean", p)), ("final held-out entropy", final_metric("entropy", p)),
               ("clipped fraction (mean over training)", mean_over_training("policy/clip_frac"))]
@@ -162,7 +162,7 @@ def plot_sweep(study: Study, sweep: Dict[str, Dict[Any, Any]], axis_label: str, 
 
 
 def plot_advantages(table: Dict[float, Dict[str, List[float]]], path: str) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for delta, t in sorted(table.items()):
         line, = axes[0].plot(t["c"], t["a_correct"], marker="o", ms=3, label=f"delta={delta:g} correct")

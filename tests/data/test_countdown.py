@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from quatro_nemo.data.countdown import (
+from quatro_nemo.tasks.countdown.problems import (
     CountdownTaskConfig,
     canonical_expression,
     enumerate_solutions,

@@ -11,10 +11,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from quatro_nemo.algos import GSPOConfig, QuatroConfig
-from quatro_nemo.data.countdown import CountdownTaskConfig
 from quatro_nemo.engine.config import (ConfigError, ExperimentSections, LoggingConfig, hydra_command_line, load_config,
                                        split_primary, validate)
-from quatro_nemo.engine.task import CountdownTaskSection, JsonlTaskConfig
+from quatro_nemo.tasks.countdown.problems import CountdownTaskConfig
+from quatro_nemo.tasks.countdown.task import CountdownTaskSection
+from quatro_nemo.tasks.jsonl import JsonlTaskConfig
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes" / "train.py"
@@ -163,7 +164,7 @@ def test_every_end_token_of_a_checkpoint_stops_responses(tmp_path):
     one, config.json and generation_config.json (an int or a list) the others."""
     import json
 
-    from quatro_nemo.engine.task import checkpoint_end_tokens
+    from quatro_nemo.tasks.jsonl import checkpoint_end_tokens
 
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 151643}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from quatro_nemo.data.countdown import CountdownTaskConfig, is_correct, parse_steps, split_of
+from quatro_nemo.tasks.countdown.problems import CountdownTaskConfig, is_correct, parse_steps, split_of
 from quatro_nemo.data.tokenizer import CharTokenizer, TokenizerConfig
-from quatro_nemo.engine.warmstart import (
+from quatro_nemo.tasks.countdown.warmstart import (
     WarmStartConfig,
     cache_key,
     demonstration_batch,
@@ -101,7 +101,7 @@ def _tiny_configs(cache_dir):
 
 
 def _load_and_forward(rank, tp, cache_dir, out_dir):
-    from quatro_nemo.engine.warmstart import load_or_train_base_model
+    from quatro_nemo.tasks.countdown.warmstart import load_or_train_base_model
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
     from quatro_nemo.megatron.models import build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
@@ -162,7 +162,7 @@ class _FixedBackend:
 
 
 def test_measure_policy_by_hand():
-    from quatro_nemo.engine.warmstart import measure_policy
+    from quatro_nemo.tasks.countdown.measure import measure_policy
 
     tokenizer = CharTokenizer()
     problems = [{"prompt": "1 2 4>12:", "numbers": [1, 2, 4], "target": 12},
@@ -180,15 +180,36 @@ def test_measure_policy_by_hand():
 
 @pytest.mark.slow
 def _measure_default_base_model(rank, path):
+    """measure_policy of the CPU default's (cached, else trained) base model on the first 32
+    held-out problems, at TP=1, PP=1 in this process."""
     from quatro_nemo.engine.config import load_config
+    from quatro_nemo.engine.rollout import MegatronRolloutBackend
     from quatro_nemo.engine.task import build_task
-    from quatro_nemo.engine.warmstart import measure_base_model
+    from quatro_nemo.megatron.checkpoint import load_full_state_dict
+    from quatro_nemo.megatron.models import build_model
+    from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
+    from quatro_nemo.megatron.sampling import SamplingParams
+    from quatro_nemo.tasks.countdown.measure import measure_policy
+    from quatro_nemo.tasks.countdown.problems import generate_split
+    from quatro_nemo.tasks.countdown.warmstart import load_or_train_base_model
 
     cfg = load_config([])
     task = build_task(cfg)
-    measured = measure_base_model(cfg.task.problems(), cfg.task.tokenizer, task.model_config(cfg.model), cfg.warmstart,
-                                  num_problems=32, num_samples=32, top_p=1.0, temperature=1.0,
-                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=0)
+    model_config = task.model_config(cfg.model)
+    state, _ = load_or_train_base_model(cfg.task.problems(), cfg.task.tokenizer, model_config, cfg.warmstart)
+    tokenizer = CharTokenizer(cfg.task.tokenizer)
+    problems = generate_split(cfg.task.problems(), "heldout", 32)
+    initialize_parallel(1, 1, seed=0)
+    try:
+        model = build_model(model_config)
+        load_full_state_dict(model, state)
+        model.eval()
+        backend = MegatronRolloutBackend(model, stop_token_ids=[tokenizer.eos_id], pad_id=tokenizer.pad_id)
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=cfg.rollout.max_new_tokens, seed=0)
+        with torch.no_grad():
+            measured = measure_policy(backend, problems, tokenizer, 32, params)
+    finally:
+        destroy_parallel()
     torch.save(measured, path)
 
 

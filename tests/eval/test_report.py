@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from quatro_nemo.eval.report import EvalConfig, evaluate_runs
+from quatro_nemo.eval.report import MetricsConfig, evaluate_runs
 from quatro_nemo.eval.samples import load_samples
 from quatro_nemo.eval.tables import AVERAGE
 
@@ -30,7 +30,7 @@ def evaluate_main(argv):
 
 @pytest.fixture(scope="module")
 def report():
-    config = EvalConfig(ucc_metric="exact", base_run="base", pairwise_metrics=("jaccard",))
+    config = MetricsConfig(ucc_metric="exact", base_run="base", pairwise_metrics=("jaccard",))
     return evaluate_runs({"base": load_samples(BASE), "trained": load_samples(TRAINED)}, config, verifier=None)
 
 
@@ -81,17 +81,17 @@ class EndsWithVerifier:
 
 def test_grading_runs_when_rewards_are_missing():
     records = [{"id": "q", "benchmark": "b", "answer": "42", "responses": ["is 42", "is 41", "42"]}]
-    out = evaluate_runs({"r": records}, EvalConfig(pairwise_metrics=()), verifier=EndsWithVerifier())
+    out = evaluate_runs({"r": records}, MetricsConfig(pairwise_metrics=()), verifier=EndsWithVerifier())
     assert out["runs"]["r"][AVERAGE]["pass@k"][1] == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="verifier is needed"):
-        evaluate_runs({"r": records}, EvalConfig(), verifier=None)
+        evaluate_runs({"r": records}, MetricsConfig(), verifier=None)
 
 
 def test_config_and_samples_validation(tmp_path):
     with pytest.raises(ValueError, match="ucc_metric"):
-        EvalConfig(ucc_metric="bleu")
+        MetricsConfig(ucc_metric="bleu")
     with pytest.raises(ValueError, match="ucc_threshold"):
-        EvalConfig(ucc_threshold=2.0)
+        MetricsConfig(ucc_threshold=2.0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1, "benchmark": "b", "answer": "1", "responses": ["x"]}\n'
                    '{"id": 2, "benchmark": "b", "responses": ["x"]}\n')
@@ -101,7 +101,7 @@ def test_config_and_samples_validation(tmp_path):
     with pytest.raises(ValueError, match="line 1: 'rewards' must be a list with one entry per response"):
         load_samples(str(bad))
     with pytest.raises(ValueError, match="base_run"):
-        evaluate_runs({"a": load_samples(BASE)}, EvalConfig(base_run="nope"))
+        evaluate_runs({"a": load_samples(BASE)}, MetricsConfig(base_run="nope"))
 
 
 def test_evaluate_recipe_regrades_with_math_verifier_and_writes_everything(tmp_path, report):
@@ -159,9 +159,9 @@ def test_evaluate_recipe_names_the_bad_key_and_writes_nothing(tmp_path, capsys, 
 def test_precomputed_cluster_sizes_are_used_and_checked():
     records = [{"id": "q", "benchmark": "b", "answer": None, "responses": ["a", "b", "c", "d"],
                 "rewards": [1, 1, 1, 0], "cluster_sizes": [2, 1]}]
-    out = evaluate_runs({"r": records}, EvalConfig(ucc_metric="precomputed", pairwise_metrics=()), verifier=None)
+    out = evaluate_runs({"r": records}, MetricsConfig(ucc_metric="precomputed", pairwise_metrics=()), verifier=None)
     # UCC@2 = (1 - C(2,2)/C(4,2)) + (1 - C(3,2)/C(4,2)) = 5/6 + 1/2
     assert out["runs"]["r"][AVERAGE]["ucc@k"][2] == pytest.approx(5 / 6 + 1 / 2)
     records[0]["cluster_sizes"] = [1, 1]
     with pytest.raises(ValueError, match="problem 'q' \\(b\\): precomputed cluster_sizes sum to 2"):
-        evaluate_runs({"r": records}, EvalConfig(ucc_metric="precomputed"), verifier=None)
+        evaluate_runs({"r": records}, MetricsConfig(ucc_metric="precomputed"), verifier=None)

@@ -1,5 +1,5 @@
 """The graded Countdown reward (task.reward=graded, issue 19) against an evaluator written here,
-independently of quatro_nemo.data.countdown: each step checked with exact fractions, operands
+independently of quatro_nemo.tasks.countdown.problems: each step checked with exact fractions, operands
 taken from a multiset of available values, the spec's formula applied to the value reached."""
 import random
 from collections import Counter
@@ -7,10 +7,10 @@ from fractions import Fraction
 
 import pytest
 
-from quatro_nemo.data.countdown import enumerate_solutions, generate_split, CountdownTaskConfig
+from quatro_nemo.tasks.countdown.problems import enumerate_solutions, generate_split, CountdownTaskConfig
 from quatro_nemo.engine.config import load_config
 from quatro_nemo.engine.task import build_task
-from quatro_nemo.rewards.countdown import CountdownVerifier
+from quatro_nemo.tasks.countdown.verifier import CountdownVerifier
 
 PARTIAL = 0.5
 

@@ -131,7 +131,7 @@ def apply_operator(a: int, op: str, b: int) -> Optional[int]:
 
 
 # --------------------------------------------------------------------------------------------
-# Checking one response (the verifier's core; quatro_nemo.rewards.countdown wraps it)
+# Checking one response (the verifier's core; quatro_nemo.tasks.countdown.verifier wraps it)
 
 
 def parse_steps(response: str) -> Optional[List[Step]]:

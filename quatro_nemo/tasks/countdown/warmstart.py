@@ -17,7 +17,7 @@ run in any parallel layout loads the same base model (``checkpoint.load_full_sta
 distributed run calls :func:`load_or_train_base_model` on every rank: rank 0 trains in a clean
 subprocess if the cache is missing, the others wait for the file.
 
-Run as a script to (re)build the cache: ``python -m quatro_nemo.engine.warmstart SPEC.json``.
+Run as a script to (re)build the cache: ``python -m quatro_nemo.tasks.countdown.warmstart SPEC.json``.
 """
 from __future__ import annotations
 
@@ -29,14 +29,13 @@ import random
 import subprocess
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from quatro_nemo.data.countdown import (
+from quatro_nemo.tasks.countdown.problems import (
     CountdownTaskConfig,
     apply_operator,
     format_prompt,
@@ -207,106 +206,6 @@ def train_base_model(task: CountdownTaskConfig, tokenizer_config: TokenizerConfi
 
 
 # --------------------------------------------------------------------------------------------
-# Measured properties of a policy on held-out problems (for the run report)
-
-# Flip-rate buckets of the paper (correct count out of 256), used as fractions of N samples.
-SUCCESS_BUCKET_EDGES = (0, 8, 32, 128, 256)
-
-
-def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharTokenizer, num_samples: int,
-                   params, first_prompt_index: int = 0) -> Dict[str, Any]:
-    """Sample ``num_samples`` responses per problem and measure what ``docs/cpu-task.md`` asks for.
-
-    Returns per-problem success rates (``success_rates``, and a summary), the share of problems
-    per success bucket (the flip-rate edges ``[0, 8, 32, 128, 256]`` out of 256, scaled to
-    ``num_samples``; bucket ``[a, b)``, the last one closed), distinct correct answers per problem
-    (as strings and as expressions modulo commuting; and the mean number of distinct correct
-    expressions over the problems solved at least once; and, over the problems with at least three,
-    the share of the most frequent one against an equal preference's), response lengths in tokens (EOS included),
-    and the sampling speed. Runs on one process or on every rank of a layout with the same
-    problems (``backend`` is a :class:`quatro_nemo.engine.rollout.RolloutBackend`).
-    """
-    from quatro_nemo.data.countdown import canonical_expression, summarize
-    from quatro_nemo.rewards.countdown import CountdownVerifier
-
-    prompts = [tokenizer.encode_prompt(p["prompt"]) for p in problems]
-    wall, cpu = time.perf_counter(), time.process_time()
-    batch = backend.generate(prompts, num_samples, params, first_prompt_index=first_prompt_index)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    responses = [tokenizer.decode(ids) for ids in batch.response_ids()]
-    rows = [p for p in problems for _ in range(num_samples)]
-    scores = CountdownVerifier().score_batch(rows, responses)
-    rates, distinct, distinct_expressions, top_shares = [], [], [], []
-    for g in range(len(problems)):
-        group = range(g * num_samples, (g + 1) * num_samples)
-        correct = [responses[i] for i in group if scores[i] > 0]
-        rates.append(len(correct) / num_samples)
-        distinct.append(len(set(correct)))
-        modes = Counter(canonical_expression(r) for r in correct)
-        distinct_expressions.append(len(modes))
-        if len(modes) >= 3:   # how unequal the preference between the modes is (1 / len(modes) if equal)
-            top_shares.append((max(modes.values()) / len(correct), 1.0 / len(modes)))
-    solved = [d for d, rate in zip(distinct_expressions, rates) if rate > 0]
-    edges = [e / SUCCESS_BUCKET_EDGES[-1] for e in SUCCESS_BUCKET_EDGES]
-    buckets = {}
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        inside = [r for r in rates if lo <= r < hi or (hi == 1.0 and r == 1.0)]
-        buckets[f"[{lo:g},{hi:g}{']' if hi == 1.0 else ')'}"] = len(inside) / len(rates)
-    generated = int(batch.sample.response_lengths.sum())
-    return {
-        "num_problems": len(problems),
-        "num_samples": num_samples,
-        "success_rates": rates,
-        "success_rate": summarize(rates),
-        "success_buckets": buckets,
-        "solved_never": sum(r == 0 for r in rates) / len(rates),
-        "solved_always": sum(r == 1 for r in rates) / len(rates),
-        "distinct_correct_per_problem": summarize(distinct),
-        "distinct_correct_expressions_per_problem": summarize(distinct_expressions),
-        # the diversity a method can keep or lose (issue 16): mean over problems solved at least once
-        "distinct_correct_per_solved_problem": sum(solved) / len(solved) if solved else 0.0,
-        # over problems with >= 3 distinct correct expressions: the most frequent one's share of the
-        # correct answers, and what it would be with equal preference
-        "top_mode_share": sum(t for t, _ in top_shares) / len(top_shares) if top_shares else None,
-        "top_mode_share_if_equal": sum(e for _, e in top_shares) / len(top_shares) if top_shares else None,
-        "response_length_tokens": summarize(batch.sample.response_lengths.tolist()),
-        "finished_fraction": float(batch.sample.finished.float().mean()),
-        "sampling_seconds": wall,
-        "sampling_cpu_seconds": cpu,
-        "sampling_tokens_per_second": generated / wall,
-        "sampling_tokens_per_cpu_second": generated / max(cpu, 1e-9),
-    }
-
-
-def measure_base_model(task: CountdownTaskConfig, tokenizer_config: TokenizerConfig, model_config,
-                       config: WarmStartConfig, num_problems: int, num_samples: int, top_p: float = 1.0,
-                       temperature: float = 1.0, max_new_tokens: int = 32, seed: int = 0) -> Dict[str, Any]:
-    """:func:`measure_policy` of the (cached, else trained) base model on the first ``num_problems``
-    held-out problems, in this process (initialises megatron at TP=1, PP=1 and tears it down)."""
-    from quatro_nemo.data.countdown import generate_split
-    from quatro_nemo.engine.rollout import MegatronRolloutBackend
-    from quatro_nemo.megatron.checkpoint import load_full_state_dict
-    from quatro_nemo.megatron.models import build_model
-    from quatro_nemo.megatron.parallel import destroy_parallel, initialize_parallel
-    from quatro_nemo.megatron.sampling import SamplingParams
-
-    state, _ = load_or_train_base_model(task, tokenizer_config, model_config, config)
-    tokenizer = CharTokenizer(tokenizer_config)
-    problems = generate_split(task, "heldout", num_problems)
-    initialize_parallel(1, 1, seed=seed)
-    try:
-        model = build_model(model_config)
-        load_full_state_dict(model, state)
-        model.eval()
-        backend = MegatronRolloutBackend(model, stop_token_ids=[tokenizer.eos_id], pad_id=tokenizer.pad_id)
-        params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
-        with torch.no_grad():
-            return measure_policy(backend, problems, tokenizer, num_samples, params)
-    finally:
-        destroy_parallel()
-
-
-# --------------------------------------------------------------------------------------------
 # Cache
 
 
@@ -364,7 +263,7 @@ def _build_cache_in_subprocess(task, tokenizer_config, model_config, config: War
     spec_file.write_text(json.dumps(_spec(task, tokenizer_config, model_config, config), default=list))
     from quatro_nemo.megatron.parallel import standalone_environment
 
-    subprocess.run([sys.executable, "-m", "quatro_nemo.engine.warmstart", str(spec_file)], check=True,
+    subprocess.run([sys.executable, "-m", "quatro_nemo.tasks.countdown.warmstart", str(spec_file)], check=True,
                    env=standalone_environment())
 
 
@@ -398,7 +297,7 @@ def load_or_train_base_model(task, tokenizer_config, model_config, config: WarmS
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit("usage: python -m quatro_nemo.engine.warmstart SPEC.json")
+        raise SystemExit("usage: python -m quatro_nemo.tasks.countdown.warmstart SPEC.json")
     torch.set_num_threads(1)
     quiet_library_warnings()
     spec = json.loads(Path(argv[0]).read_text())

@@ -1,4 +1,4 @@
-"""Verifier of the embedded CPU task (Countdown with steps, ``quatro_nemo.data.countdown``).
+"""Verifier of the embedded CPU task (Countdown with steps, ``quatro_nemo.tasks.countdown.problems``).
 
 ``reward="binary"`` (default): 1.0 when the response's steps reach the problem's target under the
 task's rules, else 0.0 (exact; no partial credit, no format reward). ``reward="graded"`` (issue 19):
@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
-from quatro_nemo.data.countdown import graded_reward, is_correct
+from quatro_nemo.tasks.countdown.problems import graded_reward, is_correct
 
 REWARD_KINDS = ("binary", "graded")
 
