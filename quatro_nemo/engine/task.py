@@ -25,8 +25,10 @@ import torch
 from quatro_nemo.data.countdown import CountdownTaskConfig
 from quatro_nemo.data.schema import read_problems
 from quatro_nemo.data.tokenizer import TokenizerConfig
+from quatro_nemo.megatron.parallel import is_rank_zero
 from quatro_nemo.rewards import get_verifier
 from quatro_nemo.rewards.countdown import CountdownRewardConfig
+from quatro_nemo.validation import ConfigError
 
 
 @dataclass
@@ -181,22 +183,22 @@ def build_jsonl_task(cfg) -> Task:
 
     from quatro_nemo.megatron.hf_conversion import load_hf_state_as_megatron
 
-    t = dataclasses.asdict(cfg.task)
+    t = cfg.task
     for key in ("train_path", "eval_path", "hf_checkpoint"):
-        if not t[key]:
+        if not getattr(t, key):
             raise ValueError(f"task.{key} must be set for task.name=jsonl")
-    tokenizer = AutoTokenizer.from_pretrained(t["hf_checkpoint"])
-    vocab_size = task_vocab_size(cfg.task)
-    stop_token_ids = checkpoint_end_tokens(t["hf_checkpoint"], tokenizer.eos_token_id)
+    tokenizer = AutoTokenizer.from_pretrained(t.hf_checkpoint)
+    vocab_size = task_vocab_size(t)
+    stop_token_ids = checkpoint_end_tokens(t.hf_checkpoint, tokenizer.eos_token_id)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
     return Task(
-        name="jsonl", train_problems=read_problems(t["train_path"]), heldout_problems=read_problems(t["eval_path"]),
-        verifier=get_verifier(t["verifier"], **t["verifier_options"]), vocab_size=vocab_size,
-        stop_token_ids=stop_token_ids, pad_id=pad_id, solution_key=_SOLUTION_KEYS.get(t["verifier"]),
+        name="jsonl", train_problems=read_problems(t.train_path), heldout_problems=read_problems(t.eval_path),
+        verifier=get_verifier(t.verifier, **t.verifier_options), vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids, pad_id=pad_id, solution_key=_SOLUTION_KEYS.get(t.verifier),
         encode_prompt=lambda problem: tokenizer.encode(problem["prompt"]),
         decode_response=lambda ids: tokenizer.decode([i for i in ids if i not in stop_token_ids],
                                                      skip_special_tokens=True),
-        load_base_state=lambda model_cfg: load_hf_state_as_megatron(t["hf_checkpoint"], model_cfg),
+        load_base_state=lambda model_cfg: load_hf_state_as_megatron(t.hf_checkpoint, model_cfg),
     )
 
 
@@ -229,6 +231,25 @@ def task_vocab_size(section) -> int:
                          f"(task.hf_checkpoint): {exc}") from exc
 
 
+def drop_long_prompts(task: Task, max_prompt_tokens: int) -> Task:
+    """``task`` without the training prompts longer than ``max_prompt_tokens`` tokens
+    (``scale.max_prompt_tokens``, the prompt length the memory plan assumes; verl's
+    ``filter_overlong_prompts``); rank 0 prints how many it dropped, and the run report shows it.
+    Held-out problems are kept (evaluation compares every problem)."""
+    kept = [problem for problem in task.train_problems if len(task.encode_prompt(problem)) <= max_prompt_tokens]
+    dropped = len(task.train_problems) - len(kept)
+    if not dropped:
+        return task
+    if not kept:
+        raise ConfigError(f"scale.max_prompt_tokens={max_prompt_tokens} drops all {dropped} training prompts")
+    if is_rank_zero():
+        print(f"[quatro] scale.max_prompt_tokens={max_prompt_tokens}: dropped {dropped} of "
+              f"{len(task.train_problems)} training prompts (longer)", flush=True)
+    return dataclasses.replace(task, train_problems=kept,
+                               properties=dict(task.properties, dropped_long_prompts=dropped))
+
+
 def build_task(cfg) -> Task:
-    """The task of a validated run config (``cfg.task``: one of :data:`TASK_SCHEMAS`)."""
-    return _TASKS[cfg.task.name](cfg)
+    """The task of a validated run config (``cfg.task``: one of :data:`TASK_SCHEMAS`), its training
+    prompts at most ``scale.max_prompt_tokens`` long (:func:`drop_long_prompts`)."""
+    return drop_long_prompts(_TASKS[cfg.task.name](cfg), cfg.scale.max_prompt_tokens)
