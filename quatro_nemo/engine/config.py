@@ -335,8 +335,8 @@ def validate(cfg: DictConfig) -> ExperimentConfig:
         composed["scale"].pop("reference_on_gpu", None)
     tree = _typed_tree(composed)
     sections = {f.name: _section_object(tree, f.name) for f in dataclasses.fields(ExperimentSections)}
-    experiment = ExperimentConfig(algorithm_name=tree.algorithm.name, raw=OmegaConf.create(OmegaConf.to_container(tree)),
-                                  **sections)
+    raw = OmegaConf.create(OmegaConf.to_container(tree, enum_to_str=True))  # plain data: choices as strings
+    experiment = ExperimentConfig(algorithm_name=tree.algorithm.name, raw=raw, **sections)
     check_engine_support(experiment)
     if experiment.rollout.backend == "vllm" and experiment.trainer.device != "cpu":
         # Cluster runs (vLLM rollouts): refuse layouts that cannot fit before any GPU is touched. A
