@@ -9,7 +9,7 @@
 Takes the same arguments as recipes/train.py (Hydra overrides and config=NAME, composed with
 Hydra's compose API; no Hydra flags). Exit code 0: the layout fits; 2: a config error or a
 layout that cannot fit (the message names the setting to change). Pure arithmetic
-(quatro_nemo/engine/memory_plan.py): no GPU needed; it plans for the packages of the machine it
+(quatro_nemo/engine/memory_plan.py; the table's layout is this file's): no GPU needed; it plans for the packages of the machine it
 runs on (Transformer Engine, apex), so run it where the training runs.
 
 ``--measured-peak-gb=X`` (e.g. ``torch.cuda.max_memory_allocated() / 1e9`` of a run of the same
@@ -19,6 +19,7 @@ config, as scripts/gpu_check.sh prints) adds a line comparing it with the plan's
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -26,13 +27,64 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from quatro_nemo.engine.config import CONFIG_ERROR_EXIT_CODE, ConfigError, load_config, memory_plan  # noqa: E402
-from quatro_nemo.engine.memory_plan import MemoryPlan, PlanError  # noqa: E402
+from quatro_nemo.engine.memory_plan import MemoryPlan  # noqa: E402
 
 
 def plan_for_arguments(argv) -> MemoryPlan:
     """Compose and validate the config like recipes/train.py (Hydra's compose API) and plan it
-    (raises ConfigError / PlanError)."""
+    (raises ConfigError)."""
     return memory_plan(load_config(argv))
+
+
+def compare_peak(plan: MemoryPlan, measured_gb: float) -> str:
+    """One line: a measured peak (``torch.cuda.max_memory_allocated()`` over a run, or the CPU's
+    resident growth) next to :attr:`peak_allocated_gb`."""
+    rollout = max(plan.rollout_phase_gb - plan.reserve_gb, 0.0)
+    return (f"peak memory per rank: measured {measured_gb:.2f} GB, planned {plan.peak_allocated_gb:.2f} GB "
+            f"(training {plan.train_peak_allocated_gb:.2f}, rollout {rollout:.2f}, without the "
+            f"{plan.reserve_gb:g} GB reserve); measured / planned = {measured_gb / plan.peak_allocated_gb:.2f}")
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as an aligned table, one term per line, then its notes."""
+    sharding = f"sharded over DP={plan.data_parallel}" if plan.distributed_optimizer else "not sharded"
+    rows = [
+        ("layout", f"TP={plan.tensor_parallel} PP={plan.pipeline_parallel} DP={plan.data_parallel} "
+                   f"on {plan.world_size} {plan.device.upper()} ranks, full recompute: {plan.full_recompute}"),
+        ("parameters (total / per GPU)", f"{plan.total_parameters / 1e9:.3f} B / {plan.parameters_per_gpu / 1e9:.3f} B"),
+        ("weights", f"{plan.weights_gb:7.2f} GB"),
+        ("gradient buffer (float32, DDP)", f"{plan.grads_gb:7.2f} GB"),
+        ("optimizer (main params + Adam)", f"{plan.optimizer_gb:7.2f} GB ({sharding})"),
+        ("activations (in flight)", f"{plan.activations_gb:7.2f} GB"),
+        ("logits + loss (last stage)", f"{plan.logits_gb:7.2f} GB"),
+        ("optimizer-step temporaries", f"{plan.optimizer_step_transient_gb:7.2f} GB (not with activations)"),
+        ("reference policy weights", f"{plan.reference_gb:7.2f} GB"),
+        ("vLLM while training", f"{plan.vllm_while_training_gb:7.2f} GB"),
+        ("= training peak of tensors", f"{plan.train_peak_allocated_gb:7.2f} GB"),
+        ("reserve (context, NCCL, fragmentation)", f"{plan.reserve_gb:7.2f} GB"),
+        ("= training phase", f"{plan.train_phase_gb:7.2f} GB of {plan.gpu_memory_gb:.0f} GB"),
+    ]
+    if plan.uses_vllm:
+        rows += [
+            ("training state kept during rollout", f"{plan.resident_during_rollout_gb:7.2f} GB"),
+            ("weight push to vLLM (transient)", f"{plan.weight_push_gb:7.2f} GB"),
+            ("vLLM (weights + KV cache + activations)", f"{plan.vllm_gb:7.2f} GB"),
+            ("= rollout phase", f"{plan.rollout_phase_gb:7.2f} GB of {plan.gpu_memory_gb:.0f} GB"),
+            ("KV cache per engine", f"{plan.kv_cache_gb:7.2f} GB ({plan.kv_bytes_per_token / 1e3:.1f} kB/token)"),
+            ("rollout token budget per engine", f"{plan.rollout_token_budget:,} tokens = "
+                                                f"{plan.max_concurrent_sequences} full-length sequences"),
+            ("rollout sequences per engine", f"{plan.sequences_per_engine} in {plan.rollout_waves} wave(s)"),
+        ]
+    rows += [
+        ("micro-batches per optimizer step", f"{plan.num_microbatches} x {plan.optimizer_steps_per_rollout} "
+                                             f"optimizer step(s) per rollout"),
+        ("tokens per step (upper bound)", f"{plan.tokens_per_step:,}"),
+        ("training compute per step", f"{plan.train_tflops_per_step:,.0f} TFLOP "
+                                      f"(~{plan.estimated_train_seconds:.0f} s at the assumed MFU)"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines + [f"note: {note}" for note in plan.notes])
 
 
 MEASURED_FLAG = "--measured-peak-gb="
@@ -49,18 +101,18 @@ def main(argv) -> int:
         return CONFIG_ERROR_EXIT_CODE
     try:
         plan = plan_for_arguments(argv)
-    except (ConfigError, PlanError) as exc:
+    except ConfigError as exc:
         print(f"plan error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
     if as_json:
-        figures = plan.as_dict()
+        figures = dataclasses.asdict(plan)
         if measured_gb is not None:
             figures.update(measured_peak_gb=measured_gb, measured_over_planned=measured_gb / plan.peak_allocated_gb)
         print(json.dumps(figures, indent=2))
     else:
-        print(plan.format())
+        print(format_plan(plan))
         if measured_gb is not None:
-            print(plan.compare_peak(measured_gb))
+            print(compare_peak(plan, measured_gb))
     return 0
 
 

@@ -2,7 +2,9 @@
 
 Each config is a plain dataclass, so it can be built from an OmegaConf ``algorithm.*`` section
 with :meth:`AlgorithmConfig.from_dict` (unknown keys are rejected by name). Every field is
-checked in ``__post_init__``; a bad value raises ``ValueError`` naming the field.
+checked in ``__post_init__`` with :mod:`quatro_nemo.validation`'s rules; a bad value raises its
+``ConfigError`` (a ValueError) naming the field. Choices are :class:`~quatro_nemo.validation.Choice`
+enums, which Hydra checks while composing.
 
 Defaults follow ``shared/docs/quatro-math.md`` (Sec. 4-5), the paper (App. B: beta = 0.001,
 "verl defaults" otherwise) and each baseline's paper / verl implementation.
@@ -10,39 +12,24 @@ Defaults follow ``shared/docs/quatro-math.md`` (Sec. 4-5), the paper (App. B: be
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional
 
 from quatro_nemo.algos.adaptive_delta import DELTA_CONTROLLERS, PER_QUERY_RULES
 from quatro_nemo.algos.dual import DEFAULT_LAMBDA_MIN
 from quatro_nemo.algos.kl import K3_CLAMP
+from quatro_nemo.validation import ConfigError, check_bool, check_in_unit_interval, check_number, choices, coerce_choices
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 QUATRO_LOG_RATIOS = ("seq_sum", "seq_mean", "none")
+LossAggMode = choices("LossAggMode", LOSS_AGG_MODES, __name__)
+QuatroLogRatio = choices("QuatroLogRatio", QUATRO_LOG_RATIOS, __name__)
+DeltaControllerKind = choices("DeltaControllerKind", DELTA_CONTROLLERS, __name__)
+DeltaPerQueryRule = choices("DeltaPerQueryRule", PER_QUERY_RULES, __name__)
 
 
-def _check_number(owner: str, name: str, value: Any, *, positive: bool = False,
-                  non_negative: bool = False, optional: bool = False) -> None:
-    """Raise ValueError naming ``owner.name`` unless ``value`` is a finite real number."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{owner}.{name} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ValueError(f"{owner}.{name} must be > 0, got {value!r}")
-    if non_negative and value < 0:
-        raise ValueError(f"{owner}.{name} must be >= 0, got {value!r}")
-
-
-def _check_choice(owner: str, name: str, value: Any, choices: Tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{owner}.{name} must be one of {list(choices)}, got {value!r}")
-
-
-def _check_bool(owner: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{owner}.{name} must be true or false, got {value!r}")
+def _check_number(owner: str, name: str, value: Any, **rule: bool) -> None:
+    check_number(f"{owner}.{name}", value, **rule)
 
 
 @dataclass
@@ -58,16 +45,17 @@ class AlgorithmConfig:
 
     beta: float = 0.001
     kl_clamp: float = K3_CLAMP
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = LossAggMode("token-mean")
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum (``aggregation.py``)."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         owner = type(self).__name__
+        coerce_choices(self, owner)
         _check_number(owner, "beta", self.beta, non_negative=True)
         _check_number(owner, "kl_clamp", self.kl_clamp, non_negative=True)
-        _check_choice(owner, "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "algorithm"):
@@ -79,7 +67,7 @@ class AlgorithmConfig:
         given = dict(values.items())
         unknown = sorted(k for k in given if k not in known)
         if unknown:
-            raise ValueError(
+            raise ConfigError(
                 f"{source}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(known)}"
             )
         return cls(**given)
@@ -103,7 +91,7 @@ class GroupBaselineConfig(AlgorithmConfig):
     def validate(self) -> None:
         super().validate()
         owner = type(self).__name__
-        _check_bool(owner, "norm_by_std", self.norm_by_std)
+        check_bool(f"{owner}.norm_by_std", self.norm_by_std)
         _check_number(owner, "eps", self.eps, non_negative=True)
 
 
@@ -137,7 +125,7 @@ class GRPOConfig(ClippedRatioConfig):
         if self.clip_ratio_c is not None:
             _check_number(type(self).__name__, "clip_ratio_c", self.clip_ratio_c)
             if self.clip_ratio_c <= 1:
-                raise ValueError(f"{type(self).__name__}.clip_ratio_c must be > 1 or None (off), "
+                raise ConfigError(f"{type(self).__name__}.clip_ratio_c must be > 1 or None (off), "
                                  f"got {self.clip_ratio_c!r}")
 
 
@@ -162,16 +150,9 @@ class DAPOConfig(GRPOConfig):
     def validate(self) -> None:
         super().validate()
         owner = type(self).__name__
-        _check_bool(owner, "dynamic_sampling", self.dynamic_sampling)
-        if self.overlong_buffer_len is not None and (
-            isinstance(self.overlong_buffer_len, bool)
-            or not isinstance(self.overlong_buffer_len, int)
-            or self.overlong_buffer_len <= 0
-        ):
-            raise ValueError(
-                f"{owner}.overlong_buffer_len must be a positive integer or None, "
-                f"got {self.overlong_buffer_len!r}"
-            )
+        check_bool(f"{owner}.dynamic_sampling", self.dynamic_sampling)
+        _check_number(owner, "overlong_buffer_len", self.overlong_buffer_len, integer=True, positive=True,
+                      optional=True)
         _check_number(owner, "overlong_penalty_factor", self.overlong_penalty_factor, non_negative=True)
 
 
@@ -184,7 +165,7 @@ class GSPOConfig(ClippedRatioConfig):
 
     clip_low: float = 3e-4
     clip_high: float = 4e-4
-    loss_agg_mode: str = "seq-mean-token-mean"
+    loss_agg_mode: LossAggMode = LossAggMode("seq-mean-token-mean")
     log_ratio_clamp: Optional[float] = 10.0
 
     def validate(self) -> None:
@@ -202,7 +183,7 @@ class GMPOConfig(ClippedRatioConfig):
 
     clip_low: float = 0.4
     clip_high: float = 0.4
-    loss_agg_mode: str = "seq-mean-token-mean"
+    loss_agg_mode: LossAggMode = LossAggMode("seq-mean-token-mean")
 
 
 @dataclass
@@ -261,19 +242,22 @@ class QuatroConfig(AlgorithmConfig):
 
     delta: float = 0.1
     lambda_min: float = DEFAULT_LAMBDA_MIN
-    log_ratio: str = "seq_sum"
+    log_ratio: QuatroLogRatio = QuatroLogRatio("seq_sum")
+    """seq_sum | seq_mean | none (see the class docstring)."""
     log_ratio_clamp: Optional[float] = None
     clip_low: Optional[float] = None
     clip_high: Optional[float] = None
-    loss_agg_mode: str = "seq-mean-token-mean"
+    loss_agg_mode: LossAggMode = LossAggMode("seq-mean-token-mean")
     solver_max_iter: int = 100
-    delta_controller: str = "off"
+    delta_controller: DeltaControllerKind = DeltaControllerKind("off")
+    """off | kl (``adaptive_delta.DeltaController``)."""
     delta_controller_target: float = 0.015
     delta_controller_gain: float = 0.5
     delta_controller_max_factor: float = 2.0
     delta_controller_min: float = 0.001
     delta_controller_max: float = 1.0
-    delta_per_query: str = "off"
+    delta_per_query: DeltaPerQueryRule = DeltaPerQueryRule("off")
+    """off | reward_variance (``adaptive_delta.per_query_delta``)."""
     delta_variance_ref: float = 0.25
     delta_cap_fraction: float = 0.9
 
@@ -283,35 +267,29 @@ class QuatroConfig(AlgorithmConfig):
         _check_number(owner, "delta", self.delta, positive=True)
         self._validate_adaptive_delta(owner)
         _check_number(owner, "lambda_min", self.lambda_min, positive=True)
-        _check_choice(owner, "log_ratio", self.log_ratio, QUATRO_LOG_RATIOS)
         _check_number(owner, "log_ratio_clamp", self.log_ratio_clamp, positive=True, optional=True)
         _check_number(owner, "clip_low", self.clip_low, positive=True, optional=True)
         _check_number(owner, "clip_high", self.clip_high, positive=True, optional=True)
         if (self.clip_low is None) != (self.clip_high is None):
-            raise ValueError(f"{owner}.clip_low and {owner}.clip_high must both be set or both be None")
-        if isinstance(self.solver_max_iter, bool) or not isinstance(self.solver_max_iter, int) \
-                or self.solver_max_iter < 1:
-            raise ValueError(f"{owner}.solver_max_iter must be a positive integer, got {self.solver_max_iter!r}")
+            raise ConfigError(f"{owner}.clip_low and {owner}.clip_high must both be set or both be None")
+        _check_number(owner, "solver_max_iter", self.solver_max_iter, integer=True, positive=True)
 
     def _validate_adaptive_delta(self, owner: str) -> None:
-        _check_choice(owner, "delta_controller", self.delta_controller, DELTA_CONTROLLERS)
         _check_number(owner, "delta_controller_target", self.delta_controller_target, positive=True)
         _check_number(owner, "delta_controller_gain", self.delta_controller_gain, positive=True)
         if self.delta_controller_gain >= 2:
-            raise ValueError(f"{owner}.delta_controller_gain must be in (0, 2), got {self.delta_controller_gain!r}")
+            raise ConfigError(f"{owner}.delta_controller_gain must be in (0, 2), got {self.delta_controller_gain!r}")
         _check_number(owner, "delta_controller_max_factor", self.delta_controller_max_factor, positive=True)
         if self.delta_controller_max_factor <= 1:
-            raise ValueError(f"{owner}.delta_controller_max_factor must be > 1, got {self.delta_controller_max_factor!r}")
+            raise ConfigError(f"{owner}.delta_controller_max_factor must be > 1, got {self.delta_controller_max_factor!r}")
         _check_number(owner, "delta_controller_min", self.delta_controller_min, positive=True)
         _check_number(owner, "delta_controller_max", self.delta_controller_max, positive=True)
         if self.delta_controller_min >= self.delta_controller_max:
-            raise ValueError(f"{owner}.delta_controller_min ({self.delta_controller_min!r}) must be below "
+            raise ConfigError(f"{owner}.delta_controller_min ({self.delta_controller_min!r}) must be below "
                              f"{owner}.delta_controller_max ({self.delta_controller_max!r})")
-        _check_choice(owner, "delta_per_query", self.delta_per_query, PER_QUERY_RULES)
         _check_number(owner, "delta_variance_ref", self.delta_variance_ref, positive=True)
-        _check_number(owner, "delta_cap_fraction", self.delta_cap_fraction, positive=True)
-        if self.delta_cap_fraction >= 1:
-            raise ValueError(f"{owner}.delta_cap_fraction must be in (0, 1), got {self.delta_cap_fraction!r}")
+        _check_number(owner, "delta_cap_fraction", self.delta_cap_fraction)
+        check_in_unit_interval(f"{owner}.delta_cap_fraction", self.delta_cap_fraction, closed_high=False)
 
     @property
     def adaptive_delta(self) -> bool:

@@ -8,17 +8,17 @@ off-policy RL training") weights each sample's gradient by the capped ratio pi_o
 """
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 
+from quatro_nemo.validation import Choice
 
-class ImportanceCorrection(str, Enum):
+
+class ImportanceCorrection(Choice):
     """``rollout.importance_correction``: what one weight covers."""
 
-    NONE = "none"
-    TOKEN = "token"          # w_{i,t} = min(pi_old(o_t) / mu(o_t), C)
-    SEQUENCE = "sequence"    # w_i = min(prod_t pi_old(o_t) / mu(o_t), C), on every token of o_i
+    none = "none"
+    token = "token"          # w_{i,t} = min(pi_old(o_t) / mu(o_t), C)
+    sequence = "sequence"    # w_i = min(prod_t pi_old(o_t) / mu(o_t), C), on every token of o_i
 
 
 def truncated_importance_weights(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor,
@@ -39,9 +39,9 @@ def truncated_importance_weights(old_logprobs: torch.Tensor, engine_logprobs: to
         raise ValueError(f"importance cap must be > 0, got {cap}")
     mask = response_mask.float()
     log_ratio = (old_logprobs.double() - engine_logprobs.double()) * mask
-    if mode == ImportanceCorrection.NONE:
+    if mode == ImportanceCorrection.none:
         return torch.ones_like(mask)
-    if mode == ImportanceCorrection.SEQUENCE:
+    if mode == ImportanceCorrection.sequence:
         log_ratio = log_ratio.sum(dim=-1, keepdim=True).expand_as(mask)
     weights = torch.exp(torch.clamp(log_ratio, max=torch.log(torch.tensor(float(cap), dtype=torch.float64))))
     return torch.where(mask > 0, weights, torch.ones_like(weights)).float().detach()

@@ -13,15 +13,18 @@ Command-line arguments are Hydra overrides, plus ``config=NAME`` to choose the p
     algorithm.delta=0.1         one key;  ++key=value adds or overrides, as in any Hydra app
 
 Every section is typed by a dataclass registered in Hydra's ConfigStore (:func:`register_configs`):
-the engine's sections below, ``model`` (quatro_nemo.megatron.models.ModelConfig), ``algorithm``
-(the chosen algorithm's config, quatro_nemo.algos.schema), ``task`` (quatro_nemo.engine.task),
-``warmstart`` (quatro_nemo.tasks.countdown.warmstart) and ``cluster``/``scale``/``vllm``
-(quatro_nemo.engine.memory_plan). Composition order (later wins): the schema's defaults, group
-options, the primary file's own keys, command-line overrides. Unknown keys and ill-typed values
-fail while Hydra composes (OmegaConf struct mode against the schema); :func:`validate` then builds
-the dataclasses, whose ``__post_init__`` checks the values, and is the one place that turns any
-config (Hydra's, or a run's saved config.yaml) into an :class:`ExperimentConfig`. Every error
-names the key.
+the engine's sections below (``cluster``/``scale``/``vllm`` included: what the memory planner
+plans), ``model`` (quatro_nemo.megatron.models.ModelConfig), ``algorithm`` (the chosen
+algorithm's config, quatro_nemo.algos.schema), ``task`` (quatro_nemo.engine.task) and ``warmstart``
+(quatro_nemo.tasks.countdown.warmstart). Composition order (later wins): the schema's defaults, group
+options, the primary file's own keys, command-line overrides. Unknown keys, ill-typed values and
+a choice outside its options (:class:`~quatro_nemo.validation.Choice` fields) fail while Hydra
+composes (OmegaConf struct mode against the schema); :func:`validate` then builds the dataclasses,
+whose ``__post_init__`` checks the values with :mod:`quatro_nemo.validation`'s rules, applies the
+engine's capability rules (:mod:`quatro_nemo.engine.capabilities`) and, for a cluster run, the
+memory plan (:mod:`quatro_nemo.engine.memory_plan`). It is the one place that turns any config
+(Hydra's, or a run's saved config.yaml) into an :class:`ExperimentConfig`. Every error is a
+:class:`~quatro_nemo.validation.ConfigError` naming the key.
 """
 from __future__ import annotations
 
@@ -38,11 +41,13 @@ from omegaconf.errors import OmegaConfBaseException
 from quatro_nemo.algos import ALGORITHMS, AlgorithmConfig, build_algorithm
 from quatro_nemo.algos.importance import ImportanceCorrection
 from quatro_nemo.algos.schema import algorithm_schema, register_algorithm_schemas
-from quatro_nemo.engine.memory_plan import (ClusterConfig, MemoryPlan, PlanError, ScaleConfig, VllmConfig,
-                                           plan_from_sections)
+from quatro_nemo.engine.capabilities import check_engine_support
+from quatro_nemo.engine.memory_plan import MemoryPlan, plan_run
 from quatro_nemo.engine.task import TASK_SCHEMAS, register_task_schemas, task_vocab_size
 from quatro_nemo.tasks.countdown.warmstart import WarmStartConfig
 from quatro_nemo.megatron.models import ModelConfig
+from quatro_nemo.validation import (Choice, ConfigError, check_at_least, check_in_unit_interval, check_mini_batches,
+                                    check_number, check_positive, check_token_budget, coerce_choices)
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 PRIMARY_KEY = "config"          # config=NAME on the command line: the primary config conf/NAME.yaml
@@ -50,23 +55,20 @@ DEFAULT_PRIMARY = "config"      # conf/config.yaml, the embedded CPU default
 HYDRA_VERSION_BASE = "1.3"
 
 
-class ConfigError(ValueError):
-    """A configuration problem; the message names the offending key or file."""
-
-
-def _positive(key: str, value: Any) -> None:
-    if value is None or value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value!r}")
-
-
-def _in_unit_interval(key: str, value: float) -> None:
-    if not 0.0 < value <= 1.0:
-        raise ConfigError(f"{key} must be in (0, 1], got {value}")
-
-
 # --------------------------------------------------------------------------------------------
-# Sections owned by the engine; each checks its values in __post_init__.
+# Sections owned by the engine; each checks its values in __post_init__ (quatro_nemo.validation).
 # --------------------------------------------------------------------------------------------
+
+
+class Device(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class RolloutBackendName(Choice):
+    megatron = "megatron"
+    vllm = "vllm"
 
 
 @dataclass
@@ -89,19 +91,14 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for key in ("tensor", "pipeline", "micro_batch_size"):
-            _positive(f"parallel.{key}", getattr(self, key))
-        if self.max_tokens_per_micro_batch:
-            if self.max_tokens_per_micro_batch < 2:
-                raise ConfigError("parallel.max_tokens_per_micro_batch must be >= 2 tokens (or 0/null: off), "
-                                  f"got {self.max_tokens_per_micro_batch}")
-        elif self.sequence_packing:
-            raise ConfigError("parallel.sequence_packing=true needs parallel.max_tokens_per_micro_batch > 0 "
-                              "(packing fills token-budget micro-batches)")
+            check_positive(f"parallel.{key}", getattr(self, key))
+        check_token_budget(self.max_tokens_per_micro_batch, self.sequence_packing)
 
 
 @dataclass
 class TrainerConfig:
-    device: str = "auto"            # auto | cpu | cuda
+    device: Device = Device.auto
+    """auto | cpu | cuda (auto: cuda when available)."""
     steps: int = 20                 # rollout steps (each: rollout -> advantages -> K inner loops)
     prompts_per_step: int = 32      # B: prompts per rollout step (the global batch)
     inner_loops: int = 1            # K: optimizer passes over the same rollouts (pi_old fixed)
@@ -119,46 +116,37 @@ class TrainerConfig:
     log_every: int = 1
 
     def __post_init__(self) -> None:
+        coerce_choices(self, "trainer")
         for key in ("steps", "prompts_per_step", "inner_loops", "lr"):
-            _positive(f"trainer.{key}", getattr(self, key))
-        mini = self.mini_batch_prompts or self.prompts_per_step
-        if self.prompts_per_step % mini != 0:
-            raise ConfigError(f"trainer.mini_batch_prompts ({mini}) must divide trainer.prompts_per_step "
-                              f"({self.prompts_per_step})")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"trainer.device must be auto, cpu or cuda, got {self.device!r}")
-        if self.grad_clip < 0 or self.weight_decay < 0 or self.checkpoint_every < 0 or self.eval_every < 0:
-            raise ConfigError("trainer.grad_clip, weight_decay, checkpoint_every and eval_every must be >= 0")
+            check_positive(f"trainer.{key}", getattr(self, key))
+        check_mini_batches(self.prompts_per_step, self.mini_batch_prompts)
+        for key in ("grad_clip", "weight_decay", "checkpoint_every", "eval_every"):
+            check_number(f"trainer.{key}", getattr(self, key), non_negative=True)
 
 
 @dataclass
 class RolloutConfig:
-    backend: str = "megatron"       # megatron (CPU/GPU) | vllm (GPU)
+    backend: RolloutBackendName = RolloutBackendName.megatron
+    """megatron (CPU/GPU: the trained model samples) | vllm (a colocated vLLM engine)."""
     n: int = 8                      # N: responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32        # maximum response length in tokens
-    # Truncated importance sampling between the engine's sampling policy and pi_old (vllm only;
-    # quatro_nemo.algos.importance, docs/quatro-math.md Sec. 8): none | token | sequence, and the cap C.
-    importance_correction: str = "none"
-    importance_cap: float = 2.0
+    importance_correction: ImportanceCorrection = ImportanceCorrection.none
+    """none | token | sequence: truncated importance sampling between the engine's sampling policy
+    and pi_old (vllm only; quatro_nemo.algos.importance, docs/quatro-math.md Sec. 8)."""
+    importance_cap: float = 2.0     # the cap C of the importance weights
 
     def __post_init__(self) -> None:
-        _positive("rollout.max_new_tokens", self.max_new_tokens)
-        _positive("rollout.importance_cap", self.importance_cap)
-        choices = [mode.value for mode in ImportanceCorrection]
-        if self.importance_correction not in choices:
-            raise ConfigError(f"rollout.importance_correction must be one of {choices}, got "
-                              f"{self.importance_correction!r}")
+        coerce_choices(self, "rollout")
+        check_positive("rollout.max_new_tokens", self.max_new_tokens)
+        check_positive("rollout.importance_cap", self.importance_cap)
         if self.importance_correction != "none" and self.backend != "vllm":
             raise ConfigError("rollout.importance_correction needs rollout.backend=vllm (the megatron backend "
                               "samples from the trained model itself: there is no gap to correct)")
-        _positive("rollout.temperature", self.temperature)
-        if self.n < 2:
-            raise ConfigError(f"rollout.n must be >= 2 (a group needs several responses), got {self.n}")
-        _in_unit_interval("rollout.top_p", self.top_p)
-        if self.backend not in ("megatron", "vllm"):
-            raise ConfigError(f"rollout.backend must be megatron or vllm, got {self.backend!r}")
+        check_positive("rollout.temperature", self.temperature)
+        check_at_least("rollout.n", self.n, 2, "a group needs several responses")
+        check_in_unit_interval("rollout.top_p", self.top_p)
 
 
 @dataclass
@@ -171,11 +159,10 @@ class EvalConfig:
     ucc_threshold: float = 1.0
 
     def __post_init__(self) -> None:
-        _positive("eval.n_samples", self.n_samples)
-        _positive("eval.temperature", self.temperature)
-        _in_unit_interval("eval.top_p", self.top_p)
-        if self.num_problems < 0:
-            raise ConfigError(f"eval.num_problems must be >= 0, got {self.num_problems}")
+        check_positive("eval.n_samples", self.n_samples)
+        check_positive("eval.temperature", self.temperature)
+        check_in_unit_interval("eval.top_p", self.top_p)
+        check_number("eval.num_problems", self.num_problems, non_negative=True)
 
 
 @dataclass
@@ -183,6 +170,57 @@ class LoggingConfig:
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "quatro-nemo"
+
+
+@dataclass
+class ClusterConfig:
+    """``cluster:`` the machines a run gets (quatro_nemo.engine.memory_plan plans them)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0      # H100 80 GB
+    reserve_gb: float = 6.0          # CUDA context, NCCL buffers, allocator fragmentation
+    peak_tflops: float = 989.0       # bf16 dense peak of one GPU (H100 SXM), for time estimates
+    assumed_mfu: float = 0.3         # model FLOPs utilisation assumed for the time estimate
+
+    def __post_init__(self) -> None:
+        for key in ("nodes", "gpus_per_node"):
+            check_at_least(f"cluster.{key}", getattr(self, key), 1)
+
+
+@dataclass
+class ScaleConfig:
+    """``scale:`` megatron-core settings that matter at scale (the CPU default ignores them)."""
+
+    max_prompt_tokens: int = 512
+    """Training and held-out prompts longer than this (in tokens) are dropped when the task is
+    built, with a logged count (verl's ``filter_overlong_prompts``); the planner plans this length."""
+    distributed_optimizer: bool = True   # shard fp32 main weights + Adam state over DP (megatron)
+    offload_optimizer_in_rollout: bool = True  # grads + optimizer state to the host while vLLM samples
+
+    def __post_init__(self) -> None:
+        check_at_least("scale.max_prompt_tokens", self.max_prompt_tokens, 1)
+
+
+@dataclass
+class VllmConfig:
+    """``vllm:`` the colocated rollout engine (quatro_nemo.engine.vllm_backend)."""
+
+    tensor_parallel: int = 1
+    gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may take while sampling
+    # The KV cache's size in GB, set explicitly (vLLM's kv_cache_memory_bytes); None: what
+    # gpu_memory_utilization leaves after the weights. vLLM's CPU build needs it: it sizes its KV
+    # cache from the machine's memory less the whole process's resident memory, the trainer's included.
+    kv_cache_memory_gb: Optional[float] = None
+    sleep_between_phases: bool = True    # vLLM sleep mode: weights/KV cache freed while training
+    activation_reserve_gb: float = 2.0   # vLLM's forward activations and sampler buffers
+    max_num_seqs: int = 256              # vLLM's scheduler cap on concurrent sequences
+    enforce_eager: bool = False          # no CUDA graphs (debugging)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_at_least("vllm.tensor_parallel", self.tensor_parallel, 1)
+        check_in_unit_interval("vllm.gpu_memory_utilization", self.gpu_memory_utilization, closed_high=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,8 +243,8 @@ class ExperimentSections:
     algorithm: AlgorithmConfig = MISSING  # the option's schema (quatro_nemo.algos.schema): config + name
     task: Any = MISSING                   # the option's schema: TASK_SCHEMAS[task.name] (engine/task.py)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)   # cluster-scale settings:
-    scale: ScaleConfig = field(default_factory=ScaleConfig)         # quatro_nemo.engine.memory_plan
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)   # cluster-scale settings
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
     vllm: VllmConfig = field(default_factory=VllmConfig)
 
 
@@ -293,37 +331,30 @@ def validate(cfg: DictConfig) -> ExperimentConfig:
     composed = OmegaConf.to_container(cfg, resolve=True)
     for key in ("hydra", "choices"):  # Hydra's own node; the group choices older runs saved
         composed.pop(key, None)
+    if isinstance(composed.get("scale"), dict):  # older runs saved scale.reference_on_gpu (always true: removed)
+        composed["scale"].pop("reference_on_gpu", None)
     tree = _typed_tree(composed)
     sections = {f.name: _section_object(tree, f.name) for f in dataclasses.fields(ExperimentSections)}
-    experiment = ExperimentConfig(algorithm_name=tree.algorithm.name, raw=OmegaConf.create(OmegaConf.to_container(tree)),
-                                  **sections)
-    _check_cluster_plan(experiment)
+    raw = OmegaConf.create(OmegaConf.to_container(tree, enum_to_str=True))  # plain data: choices as strings
+    experiment = ExperimentConfig(algorithm_name=tree.algorithm.name, raw=raw, **sections)
+    check_engine_support(experiment)
+    if experiment.rollout.backend == "vllm" and experiment.trainer.device != "cpu":
+        # Cluster runs (vLLM rollouts): refuse layouts that cannot fit before any GPU is touched. A
+        # run on the CPU (vLLM's CPU build, config=cpu_vllm) is not planned against the cluster's GPUs.
+        memory_plan(experiment)
     return experiment
 
 
 def memory_plan(c: ExperimentConfig) -> MemoryPlan:
-    """The per-GPU memory and throughput plan of a run (raises PlanError if it cannot fit); a null
-    ``model.vocab_size`` is the task's (:func:`quatro_nemo.engine.task.task_vocab_size`), as in training."""
-    model = c.model
-    if not model.vocab_size:
+    """The checked per-GPU memory and throughput plan of a run (:func:`quatro_nemo.engine.memory_plan.plan_run`;
+    ConfigError if it cannot fit); a null ``model.vocab_size`` is the task's
+    (:func:`quatro_nemo.engine.task.task_vocab_size`), as in training."""
+    if not c.model.vocab_size:
         try:
-            model = dataclasses.replace(model, vocab_size=task_vocab_size(c.task))
+            c = dataclasses.replace(c, model=dataclasses.replace(c.model, vocab_size=task_vocab_size(c.task)))
         except ValueError as exc:
-            raise PlanError(str(exc)) from exc
-    return plan_from_sections(*(dataclasses.asdict(section) for section in (
-        model, c.parallel, c.trainer, c.rollout, c.algorithm, c.cluster, c.scale, c.vllm)))
-
-
-def _check_cluster_plan(c: ExperimentConfig) -> None:
-    """Cluster runs (vLLM rollouts): refuse layouts that cannot fit before any GPU is touched. A
-    run on the CPU (``trainer.device=cpu``: vLLM's CPU build, config=cpu_vllm) is not planned
-    against the ``cluster:`` GPUs."""
-    if c.rollout.backend != "vllm" or c.trainer.device == "cpu":
-        return
-    try:
-        memory_plan(c)
-    except PlanError as exc:
-        raise ConfigError(f"config key {exc}") from exc
+            raise ConfigError(str(exc)) from exc
+    return plan_run(c)
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,22 +362,11 @@ def _check_cluster_plan(c: ExperimentConfig) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def split_primary(argv: Sequence[str]) -> Tuple[str, List[str]]:
-    """(primary config name, Hydra overrides): ``config=NAME`` chooses conf/NAME.yaml (last one wins)."""
-    primary, overrides = DEFAULT_PRIMARY, []
-    for arg in argv:
-        if arg.startswith(PRIMARY_KEY + "="):
-            primary = arg[len(PRIMARY_KEY) + 1:]
-        else:
-            overrides.append(arg)
-    return primary, overrides
-
-
-def hydra_command_line(argv: Sequence[str]) -> List[str]:
-    """A recipe's arguments for ``@hydra.main``: ``config=NAME`` becomes ``--config-name=NAME``;
-    everything else (overrides, ``-m``, ``--cfg job``, ...) is Hydra's as given."""
-    return [f"--config-name={arg[len(PRIMARY_KEY) + 1:]}" if arg.startswith(PRIMARY_KEY + "=") else arg
-            for arg in argv]
+def split_primary(argv: Sequence[str], default: Optional[str] = DEFAULT_PRIMARY) -> Tuple[Optional[str], List[str]]:
+    """(primary config name, the other arguments): ``config=NAME`` chooses conf/NAME.yaml, as
+    Hydra's ``--config-name=NAME`` does (the last one wins; ``default`` without one)."""
+    names = [arg[len(PRIMARY_KEY) + 1:] for arg in argv if arg.startswith(PRIMARY_KEY + "=")]
+    return (names[-1] if names else default), [arg for arg in argv if not arg.startswith(PRIMARY_KEY + "=")]
 
 
 CONFIG_ERROR_EXIT_CODE = 2   # a recipe's exit code for a value that failed validation
@@ -364,9 +384,11 @@ def config_errors_exit() -> Iterator[None]:
 
 
 def run_hydra_app(hydra_job: Callable[[], None], argv: Sequence[str]) -> int:
-    """Run a ``@hydra.main`` function on a recipe's arguments (:func:`hydra_command_line`); its exit
-    code (Hydra exits 1 after printing an override it rejected, which names the key)."""
-    sys.argv = [sys.argv[0], *hydra_command_line(argv)]
+    """Run a ``@hydra.main`` function on a recipe's arguments (``config=NAME`` as ``--config-name=NAME``;
+    everything else, overrides and flags, is Hydra's as given); its exit code (Hydra exits 1 after
+    printing an override it rejected, which names the key)."""
+    primary, rest = split_primary(argv, default=None)
+    sys.argv = [sys.argv[0], *([f"--config-name={primary}"] if primary else []), *rest]
     try:
         hydra_job()
     except SystemExit as exit_:

@@ -59,6 +59,7 @@ from quatro_nemo.megatron.quiet import quiet_library_warnings
 from quatro_nemo.megatron.checkpoint import load_full_state_dict
 from quatro_nemo.megatron.preemption import Preempted, PreemptionFlag
 from quatro_nemo.tasks.base import Task
+from quatro_nemo.validation import check_mini_batches
 
 # --------------------------------------------------------------------------------------------
 # Small pieces the loop reads through
@@ -264,7 +265,7 @@ def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, referenc
     engine_gap = ({} if rollout.engine_logprobs is None else
                   engine_gap_metrics(rollout.engine_logprobs, batch["old_logprobs"], rollout.response_mask))
     correction = ImportanceCorrection(cfg.rollout.importance_correction)
-    if rollout.engine_logprobs is not None and correction != ImportanceCorrection.NONE:
+    if rollout.engine_logprobs is not None and correction != ImportanceCorrection.none:
         device = batch["old_logprobs"].device
         batch["is_weights"] = truncated_importance_weights(
             batch["old_logprobs"], rollout.engine_logprobs.to(device), rollout.response_mask.to(device),
@@ -297,9 +298,7 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     batch_size = trainer.prompts_per_step
     mini_batch_size = trainer.mini_batch_prompts or batch_size
     dp, dp_rank = layout.data_parallel, layout.dp_rank
-    if mini_batch_size % dp != 0:
-        raise ValueError(f"trainer.mini_batch_prompts ({mini_batch_size}) must be divisible by the "
-                         f"data-parallel size ({dp})")
+    check_mini_batches(batch_size, trainer.mini_batch_prompts, dp)
     _write_run_files(cfg, layout)
 
     # Task: prompts, tokenizer, verifier, and the base model (warm-start on the CPU default).
@@ -319,9 +318,6 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     policy_ddp, optimizer = build_training_state(policy, trainer, scale.distributed_optimizer)
     reference = None
     if spec.needs_reference_model(cfg.algorithm):
-        if not scale.reference_on_gpu:
-            raise ValueError("scale.reference_on_gpu=false is not implemented: the reference model "
-                             "lives on the run device (set it to true, or algorithm.beta=0)")
         reference = build_model(model_cfg)
         reference.load_state_dict(policy.state_dict())  # pi_ref: the base policy
         reference.requires_grad_(False)

@@ -1,14 +1,16 @@
 """Per-GPU memory and throughput plan for a run at scale (pure arithmetic, no torch, no GPU).
 
-For a model shape, a parallel layout and the batch settings, :func:`plan_memory` returns the
+:func:`plan_run` plans a validated run config (``quatro_nemo.engine.config``'s typed sections):
+for a model shape, a parallel layout and the batch settings, :func:`plan_memory` returns the
 memory one GPU needs in each phase of a colocated RL step (training with megatron-core, rollout
-with vLLM) and the rollout token budget, :func:`check_engine_support` refuses a layout the engine
-cannot run and :func:`check_plan` one that cannot fit, each with a :class:`PlanError` naming the
-setting to change. ``recipes/plan_memory.py`` prints it (``--json`` for scripts).
+with vLLM) and the rollout token budget; :func:`check_layout` refuses a layout that does not
+divide, ``quatro_nemo.engine.capabilities`` one the engine cannot run, and :func:`check_plan` one
+that cannot fit, each with a :class:`~quatro_nemo.validation.ConfigError` naming the setting to
+change. ``recipes/plan_memory.py`` prints it (``--json`` for scripts).
 
 It models what the engine does (issue 14), reading the keys the engine obeys
-(``scale.distributed_optimizer``, ``scale.offload_optimizer_in_rollout``,
-``scale.reference_on_gpu``, ``vllm.*``, ``parallel.*``, ``trainer.*``, ``model.*``). Each term,
+(``scale.distributed_optimizer``, ``scale.offload_optimizer_in_rollout``, ``scale.max_prompt_tokens``,
+``vllm.*``, ``parallel.*``, ``trainer.*``, ``model.*``). Each term,
 per GPU of the most loaded pipeline stage, with ``P`` its parameters and ``d`` the data-parallel
 size (:func:`training_state_bytes`, :func:`plan_memory`):
 
@@ -46,8 +48,8 @@ size (:func:`training_state_bytes`, :func:`plan_memory`):
   ``multi_tensor_scale`` (gradient clipping) one gradient-sized temporary at a time. On the CPU,
   gloo's reduce-scatter / all-gather of DDP's flat buffers (distributed optimizer, ``d > 1``)
   allocates one buffer-sized temporary (NCCL works in place).
-- **Reference policy** (``algorithm.beta > 0``, ``scale.reference_on_gpu``): a second model of the
-  same dtype, no gradients or optimizer.
+- **Reference policy** (``algorithm.beta > 0``): a second model of the same dtype on the run's
+  device, no gradients or optimizer.
 - **Weight push to vLLM** (``quatro_nemo.megatron.checkpoint.iter_full_parameters``, one full
   tensor at a time): the TP shards gathered, their concatenation, and the previous tensor vLLM's
   ``load_weights`` still holds: 3 (TP > 1) or 2 (TP = 1) copies of the largest full tensor.
@@ -69,72 +71,17 @@ real training steps (``tests/engine/test_memory_reality.py``).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Mapping, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+from quatro_nemo.engine.capabilities import (check_params_dtype, check_sequence_parallel, check_tensor_split,
+                                             check_vllm_layout)
+from quatro_nemo.validation import ConfigError, check_at_least, check_mini_batches, check_token_budget
+
+if TYPE_CHECKING:
+    from quatro_nemo.engine.config import ClusterConfig, ExperimentConfig, ScaleConfig, VllmConfig
 
 GB = 1e9  # decimal gigabytes, as GPU memory is quoted (80 GB H100)
-
-
-class PlanError(ValueError):
-    """A layout that cannot run or cannot fit; the message names the setting to change."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Config sections this module owns (conf/quatro_1p5b.yaml, conf/quatro_7b.yaml)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ClusterConfig:
-    """``cluster:`` the machines a run gets."""
-
-    nodes: int = 1
-    gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0      # H100 80 GB
-    reserve_gb: float = 6.0          # CUDA context, NCCL buffers, allocator fragmentation
-    peak_tflops: float = 989.0       # bf16 dense peak of one GPU (H100 SXM), for time estimates
-    assumed_mfu: float = 0.3         # model FLOPs utilisation assumed for the time estimate
-
-
-@dataclass
-class ScaleConfig:
-    """``scale:`` megatron-core settings that matter at scale (the CPU default ignores them)."""
-
-    max_prompt_tokens: int = 512         # prompts longer than this are dropped (verl's default)
-    distributed_optimizer: bool = True   # shard fp32 main weights + Adam state over DP (megatron)
-    reference_on_gpu: bool = True        # pi_ref's weights stay on the GPU (beta > 0)
-    offload_optimizer_in_rollout: bool = True  # grads + optimizer state to the host while vLLM samples
-
-
-@dataclass
-class VllmConfig:
-    """``vllm:`` the colocated rollout engine (quatro_nemo.engine.vllm_backend)."""
-
-    tensor_parallel: int = 1
-    gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may take while sampling
-    # The KV cache's size in GB, set explicitly (vLLM's kv_cache_memory_bytes); None: what
-    # gpu_memory_utilization leaves after the weights. vLLM's CPU build needs it: it sizes its KV
-    # cache from the machine's memory less the whole process's resident memory, the trainer's included.
-    kv_cache_memory_gb: Optional[float] = None
-    sleep_between_phases: bool = True    # vLLM sleep mode: weights/KV cache freed while training
-    activation_reserve_gb: float = 2.0   # vLLM's forward activations and sampler buffers
-    max_num_seqs: int = 256              # vLLM's scheduler cap on concurrent sequences
-    enforce_eager: bool = False          # no CUDA graphs (debugging)
-    seed: int = 0
-
-
-PLAN_SECTIONS = {"cluster": ClusterConfig, "scale": ScaleConfig, "vllm": VllmConfig}
-
-
-def section_from_dict(name: str, values: Optional[Mapping[str, object]]):
-    """The typed ``name`` section (one of :data:`PLAN_SECTIONS`); unknown keys raise naming them."""
-    cls = PLAN_SECTIONS[name]
-    values = dict(values or {})
-    known = set(cls.__dataclass_fields__)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise PlanError(f"unknown key(s) {[f'{name}.{k}' for k in unknown]}; known: {sorted(known)}")
-    return cls(**values)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,11 +110,9 @@ class ModelShape:
         """From a validated ``quatro_nemo.megatron.models.ModelConfig`` (RMSNorm + RoPE decoders:
         Qwen2; the tiny CPU GPT's LayerNorm biases and position table are not counted)."""
         if cfg.normalization != "RMSNorm" or cfg.position_embedding != "rope":
-            raise PlanError(f"model.normalization={cfg.normalization!r}, model.position_embedding="
-                            f"{cfg.position_embedding!r}: the planner covers RMSNorm + RoPE decoders (qwen2)")
-        if cfg.params_dtype == "float16":
-            raise PlanError("model.params_dtype=float16: the engine's megatron optimizer runs without a loss "
-                            "scaler; use bfloat16 (GPU) or float32")
+            raise ConfigError(f"model.normalization={cfg.normalization!r}, model.position_embedding="
+                              f"{cfg.position_embedding!r}: the planner covers RMSNorm + RoPE decoders (qwen2)")
+        check_params_dtype(cfg.params_dtype)
         return cls(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
             num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
@@ -215,14 +160,16 @@ class Layout:
     full_recompute: bool = False  # megatron's recompute_granularity="full" (model.extra)
     sequence_parallel: bool = False  # megatron's sequence_parallel (model.extra)
 
-    @staticmethod
-    def recompute_from_model(model: Mapping[str, object]) -> bool:
-        """Whether the ``model:`` section asks megatron for full recomputation (the one place the
-        setting lives: ``model.extra.recompute_granularity``, passed to TransformerConfig)."""
-        granularity = (model.get("extra") or {}).get("recompute_granularity")
+    @classmethod
+    def from_config(cls, cfg: "ExperimentConfig") -> "Layout":
+        """The ``parallel:`` sizes and the ``model.extra`` switches megatron receives
+        (``recompute_granularity``: the one place full recomputation is set; ``sequence_parallel``)."""
+        extra = cfg.model.extra or {}
+        granularity = extra.get("recompute_granularity")
         if granularity not in (None, "full", "selective"):
-            raise PlanError(f"model.extra.recompute_granularity={granularity!r}: expected full, selective or null")
-        return granularity == "full"
+            raise ConfigError(f"model.extra.recompute_granularity={granularity!r}: expected full, selective or null")
+        return cls(cfg.parallel.tensor, cfg.parallel.pipeline, full_recompute=granularity == "full",
+                   sequence_parallel=bool(extra.get("sequence_parallel", False)))
 
 
 @dataclass
@@ -428,133 +375,57 @@ class MemoryPlan:
     def uses_vllm(self) -> bool:
         return self.vllm_gb > 0
 
-    def as_dict(self) -> Dict[str, object]:
-        return asdict(self)
-
-    def compare_peak(self, measured_gb: float) -> str:
-        """One line: a measured peak (``torch.cuda.max_memory_allocated()`` over a run, or the CPU's
-        resident growth) next to :attr:`peak_allocated_gb`."""
-        rollout = max(self.rollout_phase_gb - self.reserve_gb, 0.0)
-        return (f"peak memory per rank: measured {measured_gb:.2f} GB, planned {self.peak_allocated_gb:.2f} GB "
-                f"(training {self.train_peak_allocated_gb:.2f}, rollout {rollout:.2f}, without the "
-                f"{self.reserve_gb:g} GB reserve); measured / planned = {measured_gb / self.peak_allocated_gb:.2f}")
-
-    def format(self) -> str:
-        sharding = f"sharded over DP={self.data_parallel}" if self.distributed_optimizer else "not sharded"
-        rows = [
-            ("layout", f"TP={self.tensor_parallel} PP={self.pipeline_parallel} DP={self.data_parallel} "
-                       f"on {self.world_size} {self.device.upper()} ranks, full recompute: {self.full_recompute}"),
-            ("parameters (total / per GPU)", f"{self.total_parameters / 1e9:.3f} B / {self.parameters_per_gpu / 1e9:.3f} B"),
-            ("weights", f"{self.weights_gb:7.2f} GB"),
-            ("gradient buffer (float32, DDP)", f"{self.grads_gb:7.2f} GB"),
-            ("optimizer (main params + Adam)", f"{self.optimizer_gb:7.2f} GB ({sharding})"),
-            ("activations (in flight)", f"{self.activations_gb:7.2f} GB"),
-            ("logits + loss (last stage)", f"{self.logits_gb:7.2f} GB"),
-            ("optimizer-step temporaries", f"{self.optimizer_step_transient_gb:7.2f} GB (not with activations)"),
-            ("reference policy weights", f"{self.reference_gb:7.2f} GB"),
-            ("vLLM while training", f"{self.vllm_while_training_gb:7.2f} GB"),
-            ("= training peak of tensors", f"{self.train_peak_allocated_gb:7.2f} GB"),
-            ("reserve (context, NCCL, fragmentation)", f"{self.reserve_gb:7.2f} GB"),
-            ("= training phase", f"{self.train_phase_gb:7.2f} GB of {self.gpu_memory_gb:.0f} GB"),
-        ]
-        if self.uses_vllm:
-            rows += [
-                ("training state kept during rollout", f"{self.resident_during_rollout_gb:7.2f} GB"),
-                ("weight push to vLLM (transient)", f"{self.weight_push_gb:7.2f} GB"),
-                ("vLLM (weights + KV cache + activations)", f"{self.vllm_gb:7.2f} GB"),
-                ("= rollout phase", f"{self.rollout_phase_gb:7.2f} GB of {self.gpu_memory_gb:.0f} GB"),
-                ("KV cache per engine", f"{self.kv_cache_gb:7.2f} GB ({self.kv_bytes_per_token / 1e3:.1f} kB/token)"),
-                ("rollout token budget per engine", f"{self.rollout_token_budget:,} tokens = "
-                                                    f"{self.max_concurrent_sequences} full-length sequences"),
-                ("rollout sequences per engine", f"{self.sequences_per_engine} in {self.rollout_waves} wave(s)"),
-            ]
-        rows += [
-            ("micro-batches per optimizer step", f"{self.num_microbatches} x {self.optimizer_steps_per_rollout} "
-                                                 f"optimizer step(s) per rollout"),
-            ("tokens per step (upper bound)", f"{self.tokens_per_step:,}"),
-            ("training compute per step", f"{self.train_tflops_per_step:,.0f} TFLOP "
-                                          f"(~{self.estimated_train_seconds:.0f} s at the assumed MFU)"),
-        ]
-        width = max(len(name) for name, _ in rows)
-        lines = [f"{name:<{width}}  {value}" for name, value in rows]
-        return "\n".join(lines + [f"note: {note}" for note in self.notes])
 
 
-def check_layout(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: ScaleConfig,
-                 vllm: VllmConfig, work: Workload) -> int:
-    """Divisibility and range checks; returns the data-parallel size. PlanError names the key."""
+def check_layout(m: ModelShape, layout: Layout, cluster: "ClusterConfig", vllm: "VllmConfig", work: Workload) -> int:
+    """Divisibility and range checks of the cluster layout; returns the data-parallel size.
+    ConfigError names the key."""
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     world = cluster.nodes * cluster.gpus_per_node
-    for key, value in [("parallel.tensor", tp), ("parallel.pipeline", pp), ("cluster.nodes", cluster.nodes),
-                       ("cluster.gpus_per_node", cluster.gpus_per_node), ("vllm.tensor_parallel", vllm.tensor_parallel),
-                       ("parallel.micro_batch_size", work.micro_batch_size), ("rollout.n", work.n),
-                       ("trainer.prompts_per_step", work.prompts_per_step)]:
-        if value < 1:
-            raise PlanError(f"{key}={value} must be >= 1")
+    for key, value in [("parallel.tensor", tp), ("parallel.pipeline", pp), ("parallel.micro_batch_size",
+                       work.micro_batch_size), ("rollout.n", work.n), ("trainer.prompts_per_step", work.prompts_per_step)]:
+        check_at_least(key, value, 1)
     if tp > cluster.gpus_per_node:
-        raise PlanError(f"parallel.tensor={tp} exceeds cluster.gpus_per_node={cluster.gpus_per_node}: "
-                        "tensor parallelism must stay inside a node (NVLink)")
+        raise ConfigError(f"parallel.tensor={tp} exceeds cluster.gpus_per_node={cluster.gpus_per_node}: "
+                          "tensor parallelism must stay inside a node (NVLink)")
     if m.num_query_groups % tp:
-        raise PlanError(f"parallel.tensor={tp} does not divide model.num_query_groups={m.num_query_groups} "
-                        "(megatron shards whole KV groups)")
+        raise ConfigError(f"parallel.tensor={tp} does not divide model.num_query_groups={m.num_query_groups} "
+                          "(megatron shards whole KV groups)")
     if m.vocab_size % tp:
-        raise PlanError(f"parallel.tensor={tp} does not divide model.vocab_size={m.vocab_size}")
+        raise ConfigError(f"parallel.tensor={tp} does not divide model.vocab_size={m.vocab_size}")
     if m.num_layers % pp:
-        raise PlanError(f"parallel.pipeline={pp} does not divide model.num_layers={m.num_layers}")
+        raise ConfigError(f"parallel.pipeline={pp} does not divide model.num_layers={m.num_layers}")
     if world % (tp * pp):
-        raise PlanError(f"parallel.tensor x parallel.pipeline = {tp * pp} does not divide the {world} GPUs "
-                        "(cluster.nodes x cluster.gpus_per_node)")
+        raise ConfigError(f"parallel.tensor x parallel.pipeline = {tp * pp} does not divide the {world} GPUs "
+                          "(cluster.nodes x cluster.gpus_per_node)")
     dp = world // (tp * pp)
-    mini = work.mini_batch_prompts or work.prompts_per_step
-    if work.prompts_per_step % mini:
-        raise PlanError(f"trainer.mini_batch_prompts={mini} does not divide trainer.prompts_per_step="
-                        f"{work.prompts_per_step}")
-    if mini % dp:
-        raise PlanError(f"trainer.mini_batch_prompts={mini} is not divisible by data_parallel={dp}")
-    if work.max_tokens_per_micro_batch is not None and 0 < work.max_tokens_per_micro_batch < 2:
-        raise PlanError(f"parallel.max_tokens_per_micro_batch={work.max_tokens_per_micro_batch} must be >= 2 "
-                        "(or 0/null: off)")
-    if work.prompts_per_step % dp:
-        raise PlanError(f"trainer.prompts_per_step={work.prompts_per_step} is not divisible by data_parallel={dp}")
+    check_mini_batches(work.prompts_per_step, work.mini_batch_prompts, dp)
+    check_token_budget(work.max_tokens_per_micro_batch)
     if cluster.gpus_per_node % vllm.tensor_parallel:
-        raise PlanError(f"vllm.tensor_parallel={vllm.tensor_parallel} does not divide "
-                        f"cluster.gpus_per_node={cluster.gpus_per_node}")
+        raise ConfigError(f"vllm.tensor_parallel={vllm.tensor_parallel} does not divide "
+                          f"cluster.gpus_per_node={cluster.gpus_per_node}")
     if m.num_attention_heads % vllm.tensor_parallel:
-        raise PlanError(f"vllm.tensor_parallel={vllm.tensor_parallel} does not divide "
-                        f"model.num_attention_heads={m.num_attention_heads}")
-    if not 0.0 < vllm.gpu_memory_utilization < 1.0:
-        raise PlanError(f"vllm.gpu_memory_utilization={vllm.gpu_memory_utilization} must be in (0, 1)")
+        raise ConfigError(f"vllm.tensor_parallel={vllm.tensor_parallel} does not divide "
+                          f"model.num_attention_heads={m.num_attention_heads}")
     return dp
 
 
-def check_engine_support(m: ModelShape, layout: Layout, scale: ScaleConfig, vllm: VllmConfig,
-                         runtime: Runtime) -> List[str]:
-    """Refuse what the engine cannot run (PlanError naming the key); returns notes on settings
-    that run but do nothing."""
-    tp, notes = layout.tensor_parallel, []
-    if m.ffn_hidden_size % tp:
-        raise PlanError(f"parallel.tensor={tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size} "
-                        "(megatron splits the MLP columns evenly)")
-    if layout.sequence_parallel:
-        raise PlanError("model.extra.sequence_parallel=true: the loop pads rollouts to their longest sequence, "
-                        "not to a multiple of parallel.tensor, which megatron's sequence parallelism needs; remove it")
+def check_engine_support(m: ModelShape, layout: Layout, vllm: "VllmConfig", runtime: Runtime) -> None:
+    """The engine's rules (``quatro_nemo.engine.capabilities``) for the planned layout."""
+    check_tensor_split(m.ffn_hidden_size, layout.tensor_parallel)
+    check_sequence_parallel(layout.sequence_parallel)
     if runtime.rollout_backend == "vllm":
-        if layout.pipeline_parallel != 1:
-            raise PlanError(f"parallel.pipeline={layout.pipeline_parallel} with rollout.backend=vllm: the vLLM "
-                            "backend builds its engines inside a tensor-parallel group and needs parallel.pipeline=1")
-        if tp % vllm.tensor_parallel:
-            raise PlanError(f"vllm.tensor_parallel={vllm.tensor_parallel} does not divide parallel.tensor={tp} "
-                            "(each vLLM engine lives inside one megatron tensor-parallel group)")
-    return notes
+        check_vllm_layout(layout.pipeline_parallel, layout.tensor_parallel, vllm.tensor_parallel)
 
 
-def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: ScaleConfig,
-                vllm: VllmConfig, work: Workload, runtime: Optional[Runtime] = None) -> MemoryPlan:
+def plan_memory(m: ModelShape, layout: Layout, cluster: "ClusterConfig", scale: "ScaleConfig",
+                vllm: "VllmConfig", work: Workload, runtime: Optional[Runtime] = None) -> MemoryPlan:
     """The per-GPU plan (no fit check; see :func:`check_plan`). ``runtime`` defaults to a GPU with
     Transformer Engine and the vLLM backend (the cluster image)."""
     runtime = runtime or Runtime()
-    dp = check_layout(m, layout, cluster, scale, vllm, work)
-    notes = check_engine_support(m, layout, scale, vllm, runtime)
+    dp = check_layout(m, layout, cluster, vllm, work)
+    check_engine_support(m, layout, vllm, runtime)
+    notes: List[str] = []
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel
     world = cluster.nodes * cluster.gpus_per_node
     s, tokens_mb = work.sequence_length, work.tokens_per_micro_batch
@@ -594,8 +465,7 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: Sc
     logits = tokens_mb * (m.vocab_size / tp) * LOSS_BYTES_PER_LOGIT + tokens_mb * m.hidden_size * act_bytes
 
     total = total_parameter_count(m)
-    reference_on_device = scale.reference_on_gpu or not on_gpu  # on the CPU everything is in RAM
-    reference = per_gpu * m.bytes_per_param if (work.uses_reference and reference_on_device) else 0.0
+    reference = per_gpu * m.bytes_per_param if work.uses_reference else 0.0
     reserve = cluster.reserve_gb * GB if on_gpu else 0.0
     memory = cluster.gpu_memory_gb * GB
     engine_parameters = total + (m.vocab_size * m.hidden_size if m.tie_embeddings else 0)
@@ -664,7 +534,7 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: ClusterConfig, scale: Sc
 def check_plan(plan: MemoryPlan) -> MemoryPlan:
     """Refuse a plan that cannot fit; the error names the settings that would fix it."""
     if plan.train_phase_gb > plan.gpu_memory_gb:
-        raise PlanError(
+        raise ConfigError(
             f"the training phase needs {plan.train_phase_gb:.1f} GB per GPU > cluster.gpu_memory_gb="
             f"{plan.gpu_memory_gb:g} (weights {plan.weights_gb:.1f}, gradients {plan.grads_gb:.1f}, optimizer "
             f"{plan.optimizer_gb:.1f}, activations {plan.activations_gb:.1f}, logits {plan.logits_gb:.1f}, "
@@ -672,56 +542,41 @@ def check_plan(plan: MemoryPlan) -> MemoryPlan:
             "lower parallel.micro_batch_size or parallel.max_tokens_per_micro_batch, set "
             "model.extra.recompute_granularity=full, raise parallel.tensor or "
             "parallel.pipeline or cluster.nodes, or set scale.distributed_optimizer=true / "
-            "scale.reference_on_gpu=false / vllm.sleep_between_phases=true")
+            "vllm.sleep_between_phases=true")
     if not plan.uses_vllm:
         return plan
     if plan.rollout_phase_gb > plan.gpu_memory_gb:
-        raise PlanError(
+        raise ConfigError(
             f"the rollout phase needs {plan.rollout_phase_gb:.1f} GB per GPU > cluster.gpu_memory_gb="
             f"{plan.gpu_memory_gb:g} (vLLM {plan.vllm_gb:.1f} + training state {plan.resident_during_rollout_gb:.1f}): "
             "lower vllm.gpu_memory_utilization or set scale.offload_optimizer_in_rollout=true")
     if plan.max_concurrent_sequences < 1:
-        raise PlanError(
+        raise ConfigError(
             f"vLLM's KV cache ({plan.kv_cache_gb:.2f} GB) cannot hold one full-length sequence "
             f"(scale.max_prompt_tokens + rollout.max_new_tokens): raise vllm.gpu_memory_utilization or "
             "vllm.tensor_parallel")
     return plan
 
 
-def plan_from_sections(model: Mapping[str, object], parallel: Mapping[str, object], trainer: Mapping[str, object],
-                       rollout: Mapping[str, object], algorithm: Mapping[str, object],
-                       cluster: Mapping[str, object], scale: Mapping[str, object],
-                       vllm: Mapping[str, object], runtime: Optional[Runtime] = None) -> MemoryPlan:
-    """Plan from the config sections as plain dicts (the composed run config), then check it.
+def plan_run(cfg: "ExperimentConfig", runtime: Optional[Runtime] = None) -> MemoryPlan:
+    """The checked plan of a validated run config (its typed sections; ``model.vocab_size`` set).
     ``runtime`` defaults to :meth:`Runtime.detect` for ``trainer.device`` and ``rollout.backend``."""
-    scale_cfg = section_from_dict("scale", scale)
+    trainer, parallel = cfg.trainer, cfg.parallel
     work = Workload(
-        prompts_per_step=int(trainer["prompts_per_step"]), n=int(rollout["n"]),
-        max_prompt_tokens=scale_cfg.max_prompt_tokens, max_new_tokens=int(rollout["max_new_tokens"]),
-        micro_batch_size=int(parallel["micro_batch_size"]),
-        max_tokens_per_micro_batch=parallel.get("max_tokens_per_micro_batch") or None,
-        mini_batch_prompts=trainer.get("mini_batch_prompts"), inner_loops=int(trainer.get("inner_loops", 1)),
-        uses_reference=float(algorithm.get("beta", 0.0) or 0.0) > 0,
+        prompts_per_step=trainer.prompts_per_step, n=cfg.rollout.n, max_prompt_tokens=cfg.scale.max_prompt_tokens,
+        max_new_tokens=cfg.rollout.max_new_tokens, micro_batch_size=parallel.micro_batch_size,
+        max_tokens_per_micro_batch=parallel.max_tokens_per_micro_batch or None,
+        mini_batch_prompts=trainer.mini_batch_prompts, inner_loops=trainer.inner_loops,
+        uses_reference=cfg.algorithm.beta > 0,
     )
-    extra = model.get("extra") or {}
-    layout = Layout(int(parallel["tensor"]), int(parallel["pipeline"]), Layout.recompute_from_model(model),
-                    sequence_parallel=bool(extra.get("sequence_parallel", False)))
-    if runtime is None:
-        runtime = Runtime.detect(str(trainer.get("device", "auto")), str(rollout.get("backend", "megatron")))
-    from quatro_nemo.megatron.models import ModelConfig
-
-    try:
-        model_cfg = ModelConfig(**model)
-    except TypeError as exc:  # an unknown key
-        raise PlanError(f"model section: {exc}") from exc
-    plan = plan_memory(ModelShape.from_model_config(model_cfg), layout, section_from_dict("cluster", cluster),
-                       scale_cfg, section_from_dict("vllm", vllm), work, runtime)
+    runtime = runtime or Runtime.detect(trainer.device, cfg.rollout.backend)
+    plan = plan_memory(ModelShape.from_model_config(cfg.model), Layout.from_config(cfg), cfg.cluster, cfg.scale,
+                       cfg.vllm, work, runtime)
     return check_plan(plan)
 
 
 __all__ = [
-    "ClusterConfig", "LOSS_BYTES_PER_LOGIT", "Layout", "MemoryPlan", "ModelShape", "PLAN_SECTIONS", "PlanError",
-    "Runtime", "ScaleConfig", "VllmConfig", "Workload", "check_engine_support", "check_layout", "check_plan",
-    "layer_activation_elements", "layer_parameter_count", "optimizer_step_transient_bytes", "plan_from_sections",
-    "plan_memory", "section_from_dict", "stage_parameter_counts", "total_parameter_count", "training_state_bytes",
+    "GB", "LOSS_BYTES_PER_LOGIT", "Layout", "MemoryPlan", "ModelShape", "Runtime", "Workload", "check_engine_support",
+    "check_layout", "check_plan", "layer_activation_elements", "layer_parameter_count", "optimizer_step_transient_bytes",
+    "plan_memory", "plan_run", "stage_parameter_counts", "total_parameter_count", "training_state_bytes",
 ]

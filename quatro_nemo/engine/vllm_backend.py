@@ -3,7 +3,7 @@ colocated with the megatron-core trainer on the same GPUs (or, with vLLM's CPU b
 processes: ``config=cpu_vllm`` and CI run the real engine there).
 
 ``rollout.backend=vllm`` selects it and the ``vllm:`` config section
-(:class:`quatro_nemo.engine.memory_plan.VllmConfig`) sizes it;
+(:class:`quatro_nemo.engine.config.VllmConfig`) sizes it;
 :func:`quatro_nemo.engine.rollout_backends.build_rollout_backend` builds it from the run's config.
 
 How it works (vLLM's documented offline API: ``LLM``, ``SamplingParams``, ``collective_rpc``,
@@ -56,15 +56,18 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from quatro_nemo.engine.memory_plan import VllmConfig
+from quatro_nemo.engine.capabilities import check_vllm_layout
 from quatro_nemo.engine.rollout import RolloutBatch, global_sequence_ids
 from quatro_nemo.megatron import parallel, training
 from quatro_nemo.megatron.collectives import tp_all_gather_objects
 from quatro_nemo.megatron.sampling import SampleOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from quatro_nemo.engine.config import VllmConfig
 
 _SEED_MODULUS = 2**31 - 1
 
@@ -259,11 +262,7 @@ class VllmRolloutBackend:
         self.model, self.model_config = model, model_config
         self.stop_token_ids, self.pad_id = [int(t) for t in stop_token_ids], pad_id
         tp, vllm_tp = parallel.tp_size(), engine.tensor_parallel
-        if parallel.pp_size() != 1:
-            raise ValueError("rollout.backend=vllm needs parallel.pipeline=1 (engines are built from "
-                             "consecutive ranks inside a tensor-parallel group)")
-        if tp % vllm_tp:
-            raise ValueError(f"vllm.tensor_parallel={vllm_tp} must divide parallel.tensor={tp}")
+        check_vllm_layout(parallel.pp_size(), tp, vllm_tp)
         self.engines_per_group = tp // vllm_tp
         self.engine_index = parallel.tp_rank() // vllm_tp
         self.sleep_mode = engine.sleep_between_phases and current_platform.is_sleep_mode_available()

@@ -44,7 +44,9 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
-MIN_WIDTH = 2  # a micro-batch must hold one next-token prediction (T = width - 1 >= 1)
+from quatro_nemo.validation import MIN_MICRO_BATCH_TOKENS, ConfigError, check_at_least, check_token_budget
+
+MIN_WIDTH = MIN_MICRO_BATCH_TOKENS  # a micro-batch must hold one next-token prediction (T = width - 1 >= 1)
 
 
 @dataclass(frozen=True)
@@ -67,14 +69,12 @@ class MicroBatching:
     mini_batch_rows: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.rows < 1:
-            raise ValueError(f"parallel.micro_batch_size={self.rows} must be >= 1")
-        if self.mini_batch_rows is not None and self.mini_batch_rows < 1:
-            raise ValueError(f"MicroBatching.mini_batch_rows={self.mini_batch_rows} must be >= 1 (or None)")
-        if self.max_tokens is not None and self.max_tokens < MIN_WIDTH:
-            raise ValueError(f"parallel.max_tokens_per_micro_batch={self.max_tokens} must be >= {MIN_WIDTH} (or 0: off)")
-        if self.pack and self.max_tokens is None:
-            raise ValueError("parallel.sequence_packing=true needs parallel.max_tokens_per_micro_batch > 0")
+        check_at_least("parallel.micro_batch_size", self.rows, 1)
+        if self.mini_batch_rows is not None:
+            check_at_least("MicroBatching.mini_batch_rows", self.mini_batch_rows, 1)
+        if self.max_tokens == 0:
+            raise ConfigError("MicroBatching.max_tokens=0: use None for no token budget")
+        check_token_budget(self.max_tokens, self.pack)
 
     @classmethod
     def from_parallel_config(cls, parallel, mini_batch_rows: Optional[int] = None) -> "MicroBatching":

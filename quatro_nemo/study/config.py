@@ -37,14 +37,14 @@ from omegaconf import OmegaConf
 from quatro_nemo.algos import ALGORITHMS
 from quatro_nemo.algos.config import QUATRO_LOG_RATIOS, QuatroConfig
 from quatro_nemo.tasks.countdown.verifier import REWARD_KINDS
+from quatro_nemo.validation import ConfigError
 
 STUDY_CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "conf", "study")
 QUATRO = "quatro"
 
 
-class StudyConfigError(ValueError):
-    """A problem in a study config; the message names the key."""
+StudyConfigError = ConfigError  # a problem in a study config (the one config error); the message names the key
 
 
 def _check_algorithms(key: str, names: List[str]) -> None:

@@ -59,22 +59,22 @@ def build_jsonl_task(cfg) -> Task:
 
     from quatro_nemo.megatron.hf_conversion import load_hf_state_as_megatron
 
-    t = dataclasses.asdict(cfg.task)
+    t = cfg.task
     for key in ("train_path", "eval_path", "hf_checkpoint"):
-        if not t[key]:
+        if not getattr(t, key):
             raise ValueError(f"task.{key} must be set for task.name=jsonl")
-    tokenizer = AutoTokenizer.from_pretrained(t["hf_checkpoint"])
+    tokenizer = AutoTokenizer.from_pretrained(t.hf_checkpoint)
     vocab_size = jsonl_vocab_size(cfg.task)
-    stop_token_ids = checkpoint_end_tokens(t["hf_checkpoint"], tokenizer.eos_token_id)
+    stop_token_ids = checkpoint_end_tokens(t.hf_checkpoint, tokenizer.eos_token_id)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids[0]
     return Task(
-        name="jsonl", train_problems=read_problems(t["train_path"]), heldout_problems=read_problems(t["eval_path"]),
-        verifier=get_verifier(t["verifier"], **t["verifier_options"]), vocab_size=vocab_size,
-        stop_token_ids=stop_token_ids, pad_id=pad_id, solution_key=_SOLUTION_KEYS.get(t["verifier"]),
+        name="jsonl", train_problems=read_problems(t.train_path), heldout_problems=read_problems(t.eval_path),
+        verifier=get_verifier(t.verifier, **t.verifier_options), vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids, pad_id=pad_id, solution_key=_SOLUTION_KEYS.get(t.verifier),
         encode_prompt=lambda problem: tokenizer.encode(problem["prompt"]),
         decode_response=lambda ids: tokenizer.decode([i for i in ids if i not in stop_token_ids],
                                                      skip_special_tokens=True),
-        load_base_state=lambda model_cfg: load_hf_state_as_megatron(t["hf_checkpoint"], model_cfg),
+        load_base_state=lambda model_cfg: load_hf_state_as_megatron(t.hf_checkpoint, model_cfg),
     )
 
 

@@ -16,21 +16,21 @@ MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
 
 
 def test_token_weights_are_the_capped_ratio_of_each_token():
-    w = truncated_importance_weights(OLD, ENGINE, MASK, ImportanceCorrection.TOKEN, cap=2.0)
+    w = truncated_importance_weights(OLD, ENGINE, MASK, ImportanceCorrection.token, cap=2.0)
     expected = [[math.exp(0.5), math.exp(-1.0), 1.0],          # outside the response: 1
                 [1.0, min(math.exp(0.2), 2.0), math.exp(-0.4)]]
     assert torch.allclose(w, torch.tensor(expected), atol=1e-6)
-    capped = truncated_importance_weights(OLD, ENGINE, MASK, ImportanceCorrection.TOKEN, cap=1.2)
+    capped = truncated_importance_weights(OLD, ENGINE, MASK, ImportanceCorrection.token, cap=1.2)
     assert capped[0, 0].item() == pytest.approx(1.2) and capped[0, 1].item() == pytest.approx(math.exp(-1.0))
 
 
 def test_sequence_weights_are_the_capped_product_on_every_token():
-    w = truncated_importance_weights(OLD, ENGINE, MASK, ImportanceCorrection.SEQUENCE, cap=5.0)
+    w = truncated_importance_weights(OLD, ENGINE, MASK, ImportanceCorrection.sequence, cap=5.0)
     first, second = math.exp(0.5 - 1.0), min(math.exp(0.0 + 0.2 - 0.4), 5.0)
     assert torch.allclose(w, torch.tensor([[first, first, 1.0], [second, second, second]]), atol=1e-6)
-    assert truncated_importance_weights(OLD, ENGINE, MASK, ImportanceCorrection.NONE, cap=5.0).eq(1).all()
+    assert truncated_importance_weights(OLD, ENGINE, MASK, ImportanceCorrection.none, cap=5.0).eq(1).all()
     with pytest.raises(ValueError, match="cap must be > 0"):
-        truncated_importance_weights(OLD, ENGINE, MASK, ImportanceCorrection.TOKEN, cap=0.0)
+        truncated_importance_weights(OLD, ENGINE, MASK, ImportanceCorrection.token, cap=0.0)
 
 
 def test_weighted_log_probs_keep_values_and_scale_each_tokens_gradient():

@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from quatro_nemo.algos import GSPOConfig, QuatroConfig
-from quatro_nemo.engine.config import (ConfigError, ExperimentSections, LoggingConfig, hydra_command_line, load_config,
+from quatro_nemo.engine.config import (ConfigError, ExperimentSections, LoggingConfig, load_config, run_hydra_app,
                                        split_primary, validate)
 from quatro_nemo.tasks.countdown.problems import CountdownTaskConfig
 from quatro_nemo.tasks.countdown.task import CountdownTaskSection
@@ -59,12 +59,25 @@ def test_token_budget_is_typed_and_off_by_default():
     assert load_config(["parallel.max_tokens_per_micro_batch=0"]).parallel.max_tokens_per_micro_batch == 0
 
 
-def test_config_argument_chooses_the_primary_config():
+def test_config_argument_chooses_the_primary_config(monkeypatch):
     assert split_primary(["config=quatro_7b", "algorithm=dapo", "trainer.lr=1e-6"]) == (
         "quatro_7b", ["algorithm=dapo", "trainer.lr=1e-6"])
     assert split_primary(["trainer.lr=1e-6"]) == ("config", ["trainer.lr=1e-6"])
-    assert hydra_command_line(["-m", "config=quatro_7b", "algorithm=dapo,gspo", "--cfg", "job"]) == [
-        "-m", "--config-name=quatro_7b", "algorithm=dapo,gspo", "--cfg", "job"]
+    # a recipe's Hydra app gets Hydra's own --config-name; everything else as given
+    seen = []
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    assert run_hydra_app(lambda: seen.append(sys.argv[1:]), ["-m", "config=quatro_7b", "algorithm=dapo,gspo"]) == 0
+    assert seen == [["--config-name=quatro_7b", "-m", "algorithm=dapo,gspo"]]
+
+
+def test_config_argument_and_hydras_config_name_compose_the_same(capsys, tmp_path, monkeypatch):
+    """recipes/train.py config=NAME (README, slurm/) is Hydra's --config-name=NAME."""
+    monkeypatch.chdir(tmp_path)
+    printed = []
+    for primary in ("config=quatro_7b", "--config-name=quatro_7b"):
+        assert _train_recipe().main([primary, "algorithm=gspo", "--cfg", "job"]) == 0
+        printed.append(OmegaConf.create(capsys.readouterr().out))
+    assert printed[0] == printed[1] and printed[0].model.hidden_size == 3584 and printed[0].algorithm.name == "gspo"
 
 
 def test_saved_run_config_validates_to_the_same_config(tmp_path):
@@ -89,6 +102,10 @@ def test_saved_run_config_validates_to_the_same_config(tmp_path):
     (["trainer.lr=abc"], "trainer.lr"),
     (["algorithm.delta=-1"], "algorithm.delta"),
     (["algorithm.log_ratio=sideways"], "algorithm.log_ratio"),
+    (["algorithm.loss_agg_mode=mean"], "algorithm.loss_agg_mode"),        # choices: Hydra refuses them
+    (["algorithm.delta_controller=pid"], "algorithm.delta_controller"),
+    (["trainer.device=gpu"], "trainer.device"),
+    (["rollout.backend=sglang"], "rollout.backend"),
     (["algorithm=gspo", "algorithm.delta=0.1"], "algorithm.delta"),  # a QUATRO key on GSPO
     (["algorithm.name=gspo"], "algorithm.name"),
     (["algorithm=nope"], "algorithm/nope"),
@@ -129,6 +146,7 @@ def _train_recipe():
     (["trainer.inner_loopz=2"], 1, "trainer.inner_loopz"),    # Hydra's rejection of an override: exit 1
     (["++trainer.inner_loopz=2"], 2, "trainer.inner_loopz"),
     (["trainer.lr=abc"], 1, "trainer.lr"),
+    (["trainer.device=gpu"], 1, "trainer.device"),            # a choice outside its options: Hydra's rejection
     (["algorithm=nope"], 1, "algorithm/nope"),
 ])
 def test_train_entry_point_rejects_bad_config_before_training(argv, code, named, tmp_path, capsys, monkeypatch):

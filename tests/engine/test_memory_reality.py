@@ -25,15 +25,13 @@ import sys
 
 import pytest
 
+from quatro_nemo.engine.config import ClusterConfig, ScaleConfig, VllmConfig
 from quatro_nemo.engine.memory_plan import (
     GB,
     LOSS_BYTES_PER_LOGIT,
-    ClusterConfig,
     Layout,
     ModelShape,
     Runtime,
-    ScaleConfig,
-    VllmConfig,
     Workload,
     plan_memory,
 )

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from quatro_nemo.engine.logging import read_metrics
-from quatro_nemo.engine.memory_plan import VllmConfig
+from quatro_nemo.engine.config import VllmConfig
 from tests.distributed import run_ranks
 from tests.megatron.test_host_training_state import state_bytes
 

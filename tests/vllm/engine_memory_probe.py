@@ -30,7 +30,7 @@ def main() -> None:
     import torch
     import vllm  # noqa: F401  (imported before the baseline)
 
-    from quatro_nemo.engine.memory_plan import VllmConfig
+    from quatro_nemo.engine.config import VllmConfig
     from quatro_nemo.engine.vllm_backend import VllmRolloutBackend
     from quatro_nemo.megatron.models import ModelConfig, build_model
     from quatro_nemo.megatron.parallel import initialize_parallel

@@ -69,7 +69,7 @@ MODEL = dict(architecture="qwen2", vocab_size=128, hidden_size=128, num_layers=2
 
 
 def _build(seed=3):
-    from quatro_nemo.engine.memory_plan import VllmConfig
+    from quatro_nemo.engine.config import VllmConfig
     from quatro_nemo.engine.vllm_backend import VllmRolloutBackend
     from quatro_nemo.megatron.models import ModelConfig, build_model
     from quatro_nemo.megatron.parallel import initialize_parallel

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from quatro_nemo.engine.memory_plan import (GB, ClusterConfig, Layout, ModelShape, Runtime, ScaleConfig, VllmConfig,
-                                           Workload, plan_memory)
+from quatro_nemo.engine.config import ClusterConfig, ScaleConfig, VllmConfig
+from quatro_nemo.engine.memory_plan import GB, Layout, ModelShape, Runtime, Workload, plan_memory
 from quatro_nemo.megatron.models import ModelConfig
 from quatro_nemo.megatron.parallel import standalone_environment
 from tests.engine.memory_probe import MODEL

@@ -45,13 +45,14 @@ from quatro_nemo.tasks.countdown.problems import (
 from quatro_nemo.data.tokenizer import CharTokenizer, TokenizerConfig
 from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.quiet import quiet_library_warnings
+from quatro_nemo.validation import ConfigError, check_at_least, check_in_unit_interval, check_number, check_positive
 
 CACHE_FORMAT_VERSION = 1
 
 
 @dataclass
 class WarmStartConfig:
-    """Validated in ``__post_init__`` (ValueError naming the key)."""
+    """Validated in ``__post_init__`` (:mod:`quatro_nemo.validation`: ConfigError naming the key)."""
 
     enabled: bool = True        # false: no warm-start; the base model is megatron's random init
     steps: int = 600
@@ -69,20 +70,16 @@ class WarmStartConfig:
 
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"warmstart.{key}={getattr(self, key)} must be >= 1")
-        if self.learning_rate <= 0:
-            raise ValueError(f"warmstart.learning_rate={self.learning_rate} must be > 0")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmstart.warmup_steps={self.warmup_steps} must be >= 0")
+            check_at_least(f"warmstart.{key}", getattr(self, key), 1)
+        check_positive("warmstart.learning_rate", self.learning_rate)
+        check_number("warmstart.warmup_steps", self.warmup_steps, non_negative=True)
         self.op_weights = {str(k): float(v) for k, v in dict(self.op_weights).items()}
         if set(self.op_weights) != {"+", "-", "*", "/"}:
-            raise ValueError(f"warmstart.op_weights={self.op_weights} must give a weight to each of + - * /")
+            raise ConfigError(f"warmstart.op_weights={self.op_weights} must give a weight to each of + - * /")
         if any(v < 0 for v in self.op_weights.values()) or sum(self.op_weights.values()) <= 0:
-            raise ValueError(f"warmstart.op_weights={self.op_weights} must be >= 0 with a positive sum")
+            raise ConfigError(f"warmstart.op_weights={self.op_weights} must be >= 0 with a positive sum")
         for key in ("larger_first", "all_numbers"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ValueError(f"warmstart.{key}={getattr(self, key)} must be in [0, 1]")
+            check_in_unit_interval(f"warmstart.{key}", getattr(self, key), closed_low=True)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,72 @@
+"""quatro_nemo.validation: the one ConfigError, choices that OmegaConf checks while composing and
+that behave as their strings, and the rules several sections share (stated once)."""
+import json
+import pickle
+from dataclasses import dataclass
+
+import pytest
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from quatro_nemo.algos.config import LossAggMode, QuatroConfig
+from quatro_nemo.engine.config import Device, TrainerConfig
+from quatro_nemo.validation import (ConfigError, check_mini_batches, check_token_budget, choices, coerce_choices)
+
+Hyphenated = choices("Hyphenated", ("token-mean", "seq-mean-token-mean"), __name__)
+
+
+@dataclass
+class _Section:
+    mode: Hyphenated = Hyphenated("token-mean")
+
+    def __post_init__(self):
+        coerce_choices(self, "section")
+
+
+def test_a_choice_is_its_string():
+    member = Hyphenated("seq-mean-token-mean")
+    assert member == "seq-mean-token-mean" and {"seq-mean-token-mean": 1}[member] == 1
+    assert f"{member}" == str(member) == "%s" % member == "seq-mean-token-mean"
+    assert json.dumps({"m": member}) == '{"m": "seq-mean-token-mean"}'
+    assert pickle.loads(pickle.dumps(member)) is member
+
+
+def test_omegaconf_rejects_a_bad_choice_naming_the_full_key_and_saves_the_string():
+    schema = OmegaConf.structured(_Section)
+    with pytest.raises(ValidationError) as error:
+        OmegaConf.merge(OmegaConf.create({"section": schema}), {"section": {"mode": "token_mean"}})
+    assert "section.mode" in str(error.value) and "token-mean" in str(error.value)
+    merged = OmegaConf.merge(schema, {"mode": "seq-mean-token-mean"})
+    assert OmegaConf.to_object(merged).mode is Hyphenated("seq-mean-token-mean")
+    assert OmegaConf.to_yaml(merged).strip() == "mode: seq-mean-token-mean"
+
+
+def test_sections_built_by_hand_coerce_and_refuse_choices_by_key():
+    assert _Section(mode="seq-mean-token-mean").mode is Hyphenated("seq-mean-token-mean")
+    with pytest.raises(ConfigError, match=r"section.mode must be one of \['token-mean', 'seq-mean-token-mean'\]"):
+        _Section(mode="mean")
+    assert QuatroConfig(loss_agg_mode="token-mean").loss_agg_mode is LossAggMode("token-mean")
+    with pytest.raises(ConfigError, match="QuatroConfig.log_ratio"):
+        QuatroConfig(log_ratio="sideways")
+    assert TrainerConfig(device="cpu").device is Device.cpu
+    with pytest.raises(ConfigError, match="trainer.device"):
+        TrainerConfig(device="gpu")
+
+
+def test_mini_batch_rule_stated_once():
+    assert check_mini_batches(32, None) == 32 and check_mini_batches(32, 8, data_parallel=4) == 8
+    with pytest.raises(ConfigError, match="trainer.mini_batch_prompts=5 does not divide trainer.prompts_per_step=32"):
+        check_mini_batches(32, 5)
+    with pytest.raises(ConfigError, match="trainer.mini_batch_prompts=8 is not divisible by data_parallel=3"):
+        check_mini_batches(48, 8, data_parallel=3)
+
+
+def test_token_budget_rule_stated_once():
+    for off in (None, 0):
+        check_token_budget(off)
+    check_token_budget(2, pack=True)
+    for bad in (1, -5):
+        with pytest.raises(ConfigError, match=f"parallel.max_tokens_per_micro_batch={bad} must be >= 2"):
+            check_token_budget(bad)
+    with pytest.raises(ConfigError, match="parallel.sequence_packing"):
+        check_token_budget(None, pack=True)
