@@ -17,6 +17,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from quatro_nemo.algos.adaptive_delta import DELTA_CONTROLLERS, PER_QUERY_RULES
 from quatro_nemo.algos.dual import DEFAULT_LAMBDA_MIN
 from quatro_nemo.algos.kl import K3_CLAMP
+from quatro_nemo.algos.lr_control import LR_CONTROLS
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 QUATRO_LOG_RATIOS = ("seq_sum", "seq_mean", "none")
@@ -54,11 +55,15 @@ class AlgorithmConfig:
                    cap and no gradient (``kl.k3_kl``). 0 = off.
     loss_agg_mode: how token values are reduced over the global batch (see ``aggregation.py``);
                    also used for the k3 term of sequence-level losses.
+    log_achieved_kl: log the per-prompt trust-region KL each update achieved
+                   (``trust_region/achieved_kl``, ``_max``; ``step_state.TrustRegionLog``), at
+                   the cost of one more forward pass over the step's rollouts.
     """
 
     beta: float = 0.001
     kl_clamp: float = K3_CLAMP
     loss_agg_mode: str = "token-mean"
+    log_achieved_kl: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,6 +73,7 @@ class AlgorithmConfig:
         _check_number(owner, "beta", self.beta, non_negative=True)
         _check_number(owner, "kl_clamp", self.kl_clamp, non_negative=True)
         _check_choice(owner, "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_bool(owner, "log_achieved_kl", self.log_achieved_kl)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "algorithm"):
@@ -257,6 +263,14 @@ class QuatroConfig(AlgorithmConfig):
                                  capped at delta_cap_fraction of the KL the solver can reach (``per_query_delta``).
     delta_variance_ref:          reward variance that gets the full delta (0.25: a 0/1 group at p = 1/2).
     delta_cap_fraction:          in (0, 1): keeps each per-query constraint binding.
+
+    A step that honours the radius (issue 29, ``lr_control.py``, docs/quatro-math.md Sec. 7.4):
+    lr_control:        ``fixed`` (default: trainer.lr) | ``kl_adaptive``: after each rollout step the
+                       lr multiplier is divided by ``lr_control_factor`` when the achieved KL exceeds
+                       2 delta and multiplied by it below delta / 2 (``KlAdaptiveLr``).
+    lr_control_factor: > 1.
+    lr_control_min / _max: bounds on the multiplier (0 < min <= 1 <= max).
+    log_achieved_kl:   on by default for QUATRO (``trust_region/*`` metrics; one more forward pass).
     """
 
     delta: float = 0.1
@@ -276,6 +290,11 @@ class QuatroConfig(AlgorithmConfig):
     delta_per_query: str = "off"
     delta_variance_ref: float = 0.25
     delta_cap_fraction: float = 0.9
+    lr_control: str = "fixed"
+    lr_control_factor: float = 1.5
+    lr_control_min: float = 0.01
+    lr_control_max: float = 10.0
+    log_achieved_kl: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -312,6 +331,15 @@ class QuatroConfig(AlgorithmConfig):
         _check_number(owner, "delta_cap_fraction", self.delta_cap_fraction, positive=True)
         if self.delta_cap_fraction >= 1:
             raise ValueError(f"{owner}.delta_cap_fraction must be in (0, 1), got {self.delta_cap_fraction!r}")
+        _check_choice(owner, "lr_control", self.lr_control, LR_CONTROLS)
+        _check_number(owner, "lr_control_factor", self.lr_control_factor, positive=True)
+        if self.lr_control_factor <= 1:
+            raise ValueError(f"{owner}.lr_control_factor must be > 1, got {self.lr_control_factor!r}")
+        _check_number(owner, "lr_control_min", self.lr_control_min, positive=True)
+        _check_number(owner, "lr_control_max", self.lr_control_max, positive=True)
+        if not self.lr_control_min <= 1.0 <= self.lr_control_max:
+            raise ValueError(f"{owner}.lr_control_min ({self.lr_control_min!r}) and {owner}.lr_control_max "
+                             f"({self.lr_control_max!r}) must bracket 1 (the configured lr)")
 
     @property
     def adaptive_delta(self) -> bool:
