@@ -71,7 +71,8 @@ def experiment_config(algorithm: str, max_length: int, max_tokens: int):
     from quatro_nemo.engine.config import load_config
 
     return load_config([
-        f"algorithm={algorithm}", "algorithm.beta=0.001", f"model.vocab_size={VOCAB_SIZE}",
+        f"algorithm={algorithm}", "algorithm.beta=0.001", "algorithm.log_achieved_kl=false",
+        f"model.vocab_size={VOCAB_SIZE}",
         f"model.max_position_embeddings={max_length}", f"trainer.prompts_per_step={NUM_PROMPTS}",
         f"trainer.mini_batch_prompts={MINI_BATCH_PROMPTS}", f"trainer.inner_loops={INNER_LOOPS}",
         f"rollout.n={N}", f"rollout.max_new_tokens={round(RESPONSE_CAP * SCALE)}",
@@ -85,7 +86,9 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
     ``learn_from_rollout`` on the saved rollout and records the optimizer steps taken in
     ``optimizer_steps[algorithm name]``."""
     from quatro_nemo.algos import get_algorithm
-    from quatro_nemo.engine.loop import build_training_state, learn_from_rollout, local_prompt_slots, shape_rewards
+    from quatro_nemo.engine.checkpoint import TrainState
+    from quatro_nemo.engine.loop import (Run, build_training_state, learn_from_rollout, local_prompt_slots,
+                                         shape_rewards, step_micro_batching)
     from quatro_nemo.engine.rollout import MegatronRolloutBackend
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
     from quatro_nemo.megatron.models import build_model
@@ -100,13 +103,14 @@ def make_replay(cfg, model_cfg, initial_state, reference, rollout, rewards, opti
         load_full_state_dict(policy, initial_state)
         backend = MegatronRolloutBackend(policy, stop_token_ids=[1], pad_id=0)
         policy_ddp, optimizer = build_training_state(policy, trainer, scale.distributed_optimizer)
-        state.update(policy=policy, policy_ddp=policy_ddp, optimizer=optimizer, backend=backend)
+        state["run"] = Run(cfg=cfg, spec=spec, algorithm_state=spec.make_state(cfg.algorithm), policy=policy,
+                           policy_ddp=policy_ddp, optimizer=optimizer, reference=reference, backend=backend,
+                           batching=step_micro_batching(cfg), slots=slots, state=TrainState())
 
     def run():
         _, groups = shape_rewards(spec, cfg.algorithm, rollout, rewards, NUM_PROMPTS, MINI_BATCH_PROMPTS,
                                   cfg.rollout.max_new_tokens)
-        learned = learn_from_rollout(cfg, spec, state["policy"], state["policy_ddp"], reference, state["optimizer"],
-                                     state["backend"], rollout, groups, slots, optimizer_steps_done=0)
+        learned = learn_from_rollout(state["run"], cfg, rollout, groups)
         optimizer_steps[cfg.algorithm_name] = len(learned.metrics)
     return prepare, run
 

@@ -44,14 +44,20 @@ def trust_region_kl(log_weights: torch.Tensor) -> torch.Tensor:
     return (log_w.exp() * (log_w + math.log(log_weights.shape[1]))).sum(dim=1)
 
 
-def achieved_kl(log_ratios: torch.Tensor, rewards: torch.Tensor) -> Optional[float]:
-    """Mean :func:`trust_region_kl` of the updated policy over the groups whose rewards are not all
-    equal (those the trust region acts on), from trajectory log-ratios and rewards [B, N];
-    None when every group is constant."""
+def achieved_kl_per_group(log_ratios: torch.Tensor, rewards: torch.Tensor) -> Optional[torch.Tensor]:
+    """:func:`trust_region_kl` of the updated policy on each group whose rewards are not all equal
+    (those the trust region acts on), from trajectory log-ratios and rewards [B, N] (float64
+    [B_informative]); None when every group is constant."""
     informative = ~(rewards == rewards[:, :1]).all(dim=1)
     if not bool(informative.any()):
         return None
-    return float(trust_region_kl(log_ratios[informative]).mean())
+    return trust_region_kl(log_ratios[informative])
+
+
+def achieved_kl(log_ratios: torch.Tensor, rewards: torch.Tensor) -> Optional[float]:
+    """Mean of :func:`achieved_kl_per_group` over the informative groups; None when there are none."""
+    per_group = achieved_kl_per_group(log_ratios, rewards)
+    return None if per_group is None else float(per_group.mean())
 
 
 # --------------------------------------------------------------------------------------------

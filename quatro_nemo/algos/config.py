@@ -18,6 +18,7 @@ from typing import Any, Dict, Mapping, Optional
 from quatro_nemo.algos.adaptive_delta import DELTA_CONTROLLERS, PER_QUERY_RULES
 from quatro_nemo.algos.dual import DEFAULT_LAMBDA_MIN
 from quatro_nemo.algos.kl import K3_CLAMP
+from quatro_nemo.algos.lr_control import LR_CONTROLS
 from quatro_nemo.validation import ConfigError, check_bool, check_in_unit_interval, check_number, choices, coerce_choices
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -26,6 +27,7 @@ LossAggMode = choices("LossAggMode", LOSS_AGG_MODES, __name__)
 QuatroLogRatio = choices("QuatroLogRatio", QUATRO_LOG_RATIOS, __name__)
 DeltaControllerKind = choices("DeltaControllerKind", DELTA_CONTROLLERS, __name__)
 DeltaPerQueryRule = choices("DeltaPerQueryRule", PER_QUERY_RULES, __name__)
+LrControl = choices("LrControl", LR_CONTROLS, __name__)
 
 
 def _check_number(owner: str, name: str, value: Any, **rule: bool) -> None:
@@ -41,12 +43,16 @@ class AlgorithmConfig:
                    cap and no gradient (``kl.k3_kl``). 0 = off.
     loss_agg_mode: how token values are reduced over the global batch (see ``aggregation.py``);
                    also used for the k3 term of sequence-level losses.
+    log_achieved_kl: log the per-prompt trust-region KL each update achieved
+                   (``trust_region/achieved_kl``, ``_max``; ``step_state.TrustRegionLog``), at
+                   the cost of one more forward pass over the step's rollouts.
     """
 
     beta: float = 0.001
     kl_clamp: float = K3_CLAMP
     loss_agg_mode: LossAggMode = LossAggMode("token-mean")
     """token-mean | seq-mean-token-mean | seq-mean-token-sum (``aggregation.py``)."""
+    log_achieved_kl: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,6 +62,7 @@ class AlgorithmConfig:
         coerce_choices(self, owner)
         _check_number(owner, "beta", self.beta, non_negative=True)
         _check_number(owner, "kl_clamp", self.kl_clamp, non_negative=True)
+        check_bool(f"{owner}.log_achieved_kl", self.log_achieved_kl)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "algorithm"):
@@ -238,6 +245,14 @@ class QuatroConfig(AlgorithmConfig):
                                  capped at delta_cap_fraction of the KL the solver can reach (``per_query_delta``).
     delta_variance_ref:          reward variance that gets the full delta (0.25: a 0/1 group at p = 1/2).
     delta_cap_fraction:          in (0, 1): keeps each per-query constraint binding.
+
+    A step that honours the radius (issue 29, ``lr_control.py``, docs/quatro-math.md Sec. 7.4):
+    lr_control:        ``fixed`` (default: trainer.lr) | ``kl_adaptive``: after each rollout step the
+                       lr multiplier is divided by ``lr_control_factor`` when the achieved KL exceeds
+                       2 delta and multiplied by it below delta / 2 (``KlAdaptiveLr``).
+    lr_control_factor: > 1.
+    lr_control_min / _max: bounds on the multiplier (0 < min <= 1 <= max).
+    log_achieved_kl:   on by default for QUATRO (``trust_region/*`` metrics; one more forward pass).
     """
 
     delta: float = 0.1
@@ -260,6 +275,12 @@ class QuatroConfig(AlgorithmConfig):
     """off | reward_variance (``adaptive_delta.per_query_delta``)."""
     delta_variance_ref: float = 0.25
     delta_cap_fraction: float = 0.9
+    lr_control: LrControl = LrControl("fixed")
+    """fixed | kl_adaptive (``lr_control.KlAdaptiveLr``: the lr follows the achieved KL to delta)."""
+    lr_control_factor: float = 1.5
+    lr_control_min: float = 0.01
+    lr_control_max: float = 10.0
+    log_achieved_kl: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -290,6 +311,14 @@ class QuatroConfig(AlgorithmConfig):
         _check_number(owner, "delta_variance_ref", self.delta_variance_ref, positive=True)
         _check_number(owner, "delta_cap_fraction", self.delta_cap_fraction)
         check_in_unit_interval(f"{owner}.delta_cap_fraction", self.delta_cap_fraction, closed_high=False)
+        _check_number(owner, "lr_control_factor", self.lr_control_factor, positive=True)
+        if self.lr_control_factor <= 1:
+            raise ConfigError(f"{owner}.lr_control_factor must be > 1, got {self.lr_control_factor!r}")
+        _check_number(owner, "lr_control_min", self.lr_control_min, positive=True)
+        _check_number(owner, "lr_control_max", self.lr_control_max, positive=True)
+        if not self.lr_control_min <= 1.0 <= self.lr_control_max:
+            raise ConfigError(f"{owner}.lr_control_min ({self.lr_control_min!r}) and {owner}.lr_control_max "
+                             f"({self.lr_control_max!r}) must bracket 1 (the configured lr)")
 
     @property
     def adaptive_delta(self) -> bool:

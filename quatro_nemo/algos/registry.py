@@ -20,6 +20,7 @@ from quatro_nemo.algos.config import (
     QuatroConfig,
 )
 from quatro_nemo.algos.reward_shaping import dapo_shape_groups, keep_all_groups
+from quatro_nemo.algos.step_state import AlgorithmState, QuatroState, TrustRegionLog
 
 ADVANTAGE_ESTIMATORS: Dict[str, Callable] = {}
 POLICY_LOSSES: Dict[str, Callable] = {}
@@ -72,6 +73,9 @@ class AlgorithmSpec:
     shape_groups:        the data-side hook ``(verifier rewards [B, N], response lengths [B, N],
                          max_new_tokens, config) -> ShapedGroups`` (DAPO: group filter, overlong
                          shaping; every other algorithm: ``keep_all_groups``)
+    make_state:          ``(config) -> AlgorithmState``, the state carried between rollout steps
+                         (``step_state.py``; QUATRO: adaptive radius and lr; others: none but the
+                         achieved-KL log)
     """
 
     name: str
@@ -79,6 +83,7 @@ class AlgorithmSpec:
     policy_loss: Callable
     config_cls: Type[AlgorithmConfig]
     shape_groups: Callable = keep_all_groups
+    make_state: Callable[[AlgorithmConfig], AlgorithmState] = TrustRegionLog
 
     @staticmethod
     def needs_reference_model(config: AlgorithmConfig) -> bool:
@@ -86,27 +91,28 @@ class AlgorithmSpec:
         return config.beta > 0
 
 
-# name -> (advantage estimator name, policy loss name, config class, data-side hook)
+# name -> (advantage estimator name, policy loss name, config class, data-side hook, state)
 # (quatro-math.md Sec. 5)
-ALGORITHMS: Dict[str, Tuple[str, str, Type[AlgorithmConfig], Callable]] = {
-    "quatro": ("quatro", "quatro", QuatroConfig, keep_all_groups),
-    "grpo": ("grpo", "grpo", GRPOConfig, keep_all_groups),
-    "gspo": ("grpo", "gspo", GSPOConfig, keep_all_groups),
-    "gmpo": ("grpo", "gmpo", GMPOConfig, keep_all_groups),
-    "dapo": ("grpo", "dapo", DAPOConfig, dapo_shape_groups),
-    "cispo": ("grpo", "cispo", CISPOConfig, keep_all_groups),
-    "gpg": ("gpg", "gpg", GPGConfig, keep_all_groups),
+ALGORITHMS: Dict[str, Tuple[str, str, Type[AlgorithmConfig], Callable, Callable]] = {
+    "quatro": ("quatro", "quatro", QuatroConfig, keep_all_groups, QuatroState),
+    "grpo": ("grpo", "grpo", GRPOConfig, keep_all_groups, TrustRegionLog),
+    "gspo": ("grpo", "gspo", GSPOConfig, keep_all_groups, TrustRegionLog),
+    "gmpo": ("grpo", "gmpo", GMPOConfig, keep_all_groups, TrustRegionLog),
+    "dapo": ("grpo", "dapo", DAPOConfig, dapo_shape_groups, TrustRegionLog),
+    "cispo": ("grpo", "cispo", CISPOConfig, keep_all_groups, TrustRegionLog),
+    "gpg": ("gpg", "gpg", GPGConfig, keep_all_groups, TrustRegionLog),
 }
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:
-    estimator_name, loss_name, config_cls, shape_groups = _lookup(ALGORITHMS, "algorithm", name)
+    estimator_name, loss_name, config_cls, shape_groups, make_state = _lookup(ALGORITHMS, "algorithm", name)
     return AlgorithmSpec(
         name=name,
         advantage_estimator=get_advantage_estimator(estimator_name),
         policy_loss=get_policy_loss(loss_name),
         config_cls=config_cls,
         shape_groups=shape_groups,
+        make_state=make_state,
     )
 
 

@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -45,6 +46,34 @@ def _atomic_write_text(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@dataclass
+class TrainState:
+    """The loop's position, what a checkpoint saves beside the weights, the optimizer and the RNG
+    states, and what resume restores: the next rollout step, the optimizer steps taken (lr
+    warm-up) and the algorithm's state between steps (``AlgorithmState.state_dict()``)."""
+
+    next_step: int = 0
+    optimizer_steps: int = 0
+    algorithm_state: Dict[str, Any] = field(default_factory=dict)
+
+    def to_common(self) -> Dict[str, Any]:
+        """The checkpoint's ``common`` entry (plain Python values)."""
+        return {"next_step": self.next_step, "optimizer_steps": self.optimizer_steps,
+                "algorithm_state": dict(self.algorithm_state)}
+
+    @classmethod
+    def from_common(cls, common: Dict[str, Any]) -> "TrainState":
+        """From a checkpoint's ``common``. Checkpoints written before ``algorithm_state`` existed
+        hold QUATRO's delta controller at the top level (``delta_controller``): it is read as the
+        algorithm state it is, so they resume exactly."""
+        if "algorithm_state" in common:
+            algorithm_state = dict(common["algorithm_state"])
+        else:
+            algorithm_state = {key: common[key] for key in ("delta_controller",) if key in common}
+        return cls(next_step=int(common["next_step"]), optimizer_steps=int(common["optimizer_steps"]),
+                   algorithm_state=algorithm_state)
 
 
 def rng_state() -> Dict[str, Any]:

@@ -12,8 +12,9 @@
                                  (distributed) optimizer step, which clips the global grad norm
         metrics -> metrics.jsonl / TensorBoard; checkpoint; periodic held-out evaluation
 
-Every algorithm runs through this same function: only `spec.advantage_estimator`, `spec.policy_loss`
-and the config differ. Data parallelism splits each mini-batch's prompts across DP ranks (a group of
+Every algorithm runs through this same function: only `spec.advantage_estimator`, `spec.policy_loss`,
+the algorithm's state between steps (`spec.make_state`: QUATRO's adaptive radius and lr, behind
+`config_for_step` / `observe`) and the config differ. Data parallelism splits each mini-batch's prompts across DP ranks (a group of
 N responses never straddles ranks), so the optimizer sees the same global batch in any layout.
 
 One run device: rollout book-keeping and rewards live on the CPU; every tensor that reaches the
@@ -22,31 +23,32 @@ CUDA).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
 import socket
 import sys
-import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from omegaconf import OmegaConf
 
-from quatro_nemo.algos import QuatroConfig, ShapedGroups, get_algorithm
-from quatro_nemo.algos.adaptive_delta import DeltaController, achieved_kl
+from quatro_nemo.algos import AlgorithmSpec, ShapedGroups, get_algorithm
 from quatro_nemo.algos.importance import ImportanceCorrection, truncated_importance_weights
+from quatro_nemo.algos.metric_reduction import reduce_over_updates
+from quatro_nemo.algos.step_state import AlgorithmState, StepMeasurements
 from quatro_nemo.engine import checkpoint as ckpt
+from quatro_nemo.engine.checkpoint import TrainState
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy, training_eval_settings
 from quatro_nemo.engine.logging import MetricsLogger
 from quatro_nemo.engine.report import heldout_table, write_report
-from quatro_nemo.engine.rollout import model_inputs
-from quatro_nemo.engine.rollout_backends import build_rollout_backend
+from quatro_nemo.engine.rollout import RolloutBackend, model_inputs
+from quatro_nemo.engine.rollout_backends import build_rollout_backend, hand_over_training_state
 from quatro_nemo.engine.task import build_task
+from quatro_nemo.engine.timer import Timer
 from quatro_nemo.eval.samples import write_samples
 from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel, training
@@ -181,38 +183,9 @@ def select_device(device: str) -> None:
         raise RuntimeError("trainer.device=cuda, but no CUDA device is available (use trainer.device=cpu)")
 
 
-def update_policy(policy_ddp, optimizer, batch: Dict[str, torch.Tensor], spec, algo_cfg, trainer,
-                  rows_per_mini: int, batching: MicroBatching, optimizer_steps_done: int) -> List[Dict[str, float]]:
-    """K inner loops over one rollout batch (step 6): each mini-batch of `rows_per_mini` local rows
-    is one optimizer step. Returns each update's metrics (loss metrics, grad_norm, lr).
-
-    No step without a signal: a mini-batch whose loss has no gradient at all (every advantage 0
-    while the policy is still pi_old and pi_ref) takes no optimizer step and returns no metrics,
-    so neither Adam's momentum nor weight decay moves the weights. Its gradient is exactly 0 only
-    because pi_old's log-probs equal the training forward's bitwise (`batching.mini_batch_rows`
-    = `rows_per_mini`: the same micro-batches in both passes)."""
-    updates: List[Dict[str, float]] = []
-    for _inner in range(trainer.inner_loops):
-        for start in range(0, batch["tokens"].shape[0], rows_per_mini):
-            mini = slice_batch(batch, slice(start, start + rows_per_mini))
-            if dp_sum(mini["response_mask"].sum()) == 0:
-                continue  # every group of this mini-batch was filtered out (dynamic sampling)
-            training.zero_gradients(policy_ddp, optimizer)
-            metrics = train_step_forward_backward(policy_ddp, mini, spec.policy_loss, algo_cfg, batching)
-            if not training.has_gradient(policy_ddp):
-                continue  # no learning signal: no step on a zero gradient
-            lr = training.warmup_learning_rate(trainer.lr, trainer.lr_warmup_steps, optimizer_steps_done)
-            training.set_learning_rate(optimizer, lr)
-            metrics["grad_norm"] = training.optimizer_step(policy_ddp, optimizer)
-            metrics["lr"] = lr
-            optimizer_steps_done += 1
-            updates.append(metrics)
-    return updates
-
-
 def build_training_state(policy, trainer, distributed_optimizer: bool):
     """(megatron's DDP around ``policy``, megatron's (distributed) optimizer with the
-    ``trainer.*`` settings). Shared by :func:`train` and ``benchmarks/bench_step.py``."""
+    ``trainer.*`` settings). Shared by :func:`build_run` and ``benchmarks/bench_step.py``."""
     policy_ddp = training.wrap_for_training(policy, distributed_optimizer=distributed_optimizer)
     optimizer = training.build_optimizer(policy_ddp, training.OptimizerSettings(
         lr=trainer.lr, weight_decay=trainer.weight_decay, adam_beta1=trainer.adam_beta1,
@@ -220,94 +193,56 @@ def build_training_state(policy, trainer, distributed_optimizer: bool):
     return policy_ddp, optimizer
 
 
+def step_micro_batching(cfg: ExperimentConfig) -> MicroBatching:
+    """The micro-batching of every pass over a step's rollouts: ``mini_batch_rows`` = one optimizer
+    step's local rows (the mini-batch's prompts on this DP rank x N), so the log-prob passes split
+    the rows exactly as the training forwards do."""
+    mini_batch_prompts = cfg.trainer.mini_batch_prompts or cfg.trainer.prompts_per_step
+    return MicroBatching.from_parallel_config(
+        cfg.parallel, mini_batch_rows=mini_batch_prompts // parallel.dp_size() * cfg.rollout.n)
+
+
 @dataclass
-class RolloutLearning:
-    """What :func:`learn_from_rollout` returns: the estimator's output (``advantages`` [B, N] and
-    its metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], the
-    ``time.perf_counter()`` at which the log-prob passes ended, and, when asked for, the updated
-    policy's trajectory log-ratios ``log pi_theta(o_i) / pi_old(o_i)`` [S_local] (adaptive delta)."""
+class Run:
+    """Everything a training step reads, built once by :func:`build_run`: the config, the algorithm
+    (``spec``) and its state between steps, the policy, megatron's DDP around it and optimizer, the
+    frozen reference (None without a KL term), the rollout backend, the micro-batching, this DP
+    rank's prompt ``slots`` in each step's global batch, and the loop's position ``state`` (what a
+    checkpoint saves). ``task``, ``logger`` and ``layout`` are None where only the update runs
+    (``benchmarks/bench_step.py``, tests)."""
 
-    advantages: Any
-    metrics: List[Dict[str, float]]
-    old_entropy: torch.Tensor
-    t_logprobs: float
-    policy_shift: Any = None
-    engine_gap: Dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-def learn_from_rollout(cfg: ExperimentConfig, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
-                       groups: ShapedGroups, slots: List[int], optimizer_steps_done: int,
-                       measure_policy_shift: bool = False) -> RolloutLearning:
-    """Steps 4-6 of a training step on this rank's rollout, shared by :func:`train` and
-    ``benchmarks/bench_step.py`` (which replays saved rollouts through it).
-
-    ``groups``: the algorithm's data-side view of the global [B, N] rewards (:func:`shape_rewards`);
-    ``slots``: this DP rank's global prompt positions (:func:`local_prompt_slots`). Collective over
-    all ranks. ``measure_policy_shift``: one more forward pass after the updates, for the
-    adaptive-delta controller (``RolloutLearning.policy_shift``).
-    """
-    n = cfg.rollout.n
-    rows_per_mini = (cfg.trainer.mini_batch_prompts or cfg.trainer.prompts_per_step) // parallel.dp_size() * n
-    batching = MicroBatching.from_parallel_config(cfg.parallel, mini_batch_rows=rows_per_mini)
-
-    # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
-    advantage_out = spec.advantage_estimator(groups.rewards, cfg.algorithm)
-    advantages = advantage_out.advantages[slots].reshape(-1)
-
-    # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref; rows of groups
-    # the data-side hook dropped (DAPO's filter) leave the loss.
-    group_weights = groups.weights[slots].repeat_interleave(n)
-    batch = make_batch(rollout, advantages, group_weights)
-    with torch.no_grad():
-        batch["old_logprobs"], old_entropy = compute_logprobs(policy, batch, batching)
-        if reference is not None:
-            batch["ref_logprobs"], _ = compute_logprobs(reference, batch, batching)
-    engine_gap = ({} if rollout.engine_logprobs is None else
-                  engine_gap_metrics(rollout.engine_logprobs, batch["old_logprobs"], rollout.response_mask))
-    correction = ImportanceCorrection(cfg.rollout.importance_correction)
-    if rollout.engine_logprobs is not None and correction != ImportanceCorrection.none:
-        device = batch["old_logprobs"].device
-        batch["is_weights"] = truncated_importance_weights(
-            batch["old_logprobs"], rollout.engine_logprobs.to(device), rollout.response_mask.to(device),
-            correction, cfg.rollout.importance_cap)
-    t_logprobs = time.perf_counter()
-
-    # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
-    update_metrics = update_policy(policy_ddp, optimizer, batch, spec, cfg.algorithm, cfg.trainer,
-                                   rows_per_mini, batching, optimizer_steps_done)
-    if update_metrics:
-        backend.update_weights()
-    policy_shift = None
-    if measure_policy_shift:
-        with torch.no_grad():
-            new_logprobs, _ = compute_logprobs(policy, batch, batching)
-        policy_shift = ((new_logprobs - batch["old_logprobs"]) * batch["response_mask"]).sum(dim=-1)
-    return RolloutLearning(advantage_out, update_metrics, old_entropy, t_logprobs, policy_shift, engine_gap)
+    cfg: ExperimentConfig
+    spec: AlgorithmSpec
+    algorithm_state: AlgorithmState
+    policy: Any
+    policy_ddp: Any
+    optimizer: Any
+    reference: Any
+    backend: RolloutBackend
+    batching: MicroBatching
+    slots: List[int]
+    state: TrainState
+    task: Optional[Task] = None
+    logger: Optional[MetricsLogger] = None
+    layout: Any = None
 
 
-def train(cfg: ExperimentConfig) -> Dict[str, Any]:
+def build_run(cfg: ExperimentConfig) -> Run:
+    """Set up a run (collective): parallel state, task and base model, policy, rollout backend,
+    DDP and optimizer, reference, the algorithm's state, resume from the newest checkpoint, logger."""
     quiet_library_warnings()
     select_device(cfg.trainer.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     layout = parallel.initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.run.seed)
-    rank0 = layout.rank == 0
-    run_dir = cfg.run.dir
     spec = get_algorithm(cfg.algorithm_name)
-    trainer, rollout_cfg = cfg.trainer, cfg.rollout
-    scale = cfg.scale
-    batch_size = trainer.prompts_per_step
-    mini_batch_size = trainer.mini_batch_prompts or batch_size
-    dp, dp_rank = layout.data_parallel, layout.dp_rank
-    check_mini_batches(batch_size, trainer.mini_batch_prompts, dp)
+    mini_batch_prompts = cfg.trainer.mini_batch_prompts or cfg.trainer.prompts_per_step
+    check_mini_batches(cfg.trainer.prompts_per_step, cfg.trainer.mini_batch_prompts, layout.data_parallel)
     _write_run_files(cfg, layout)
 
     # Task: prompts, tokenizer, verifier, and the base model (warm-start on the CPU default).
     task: Task = build_task(cfg)
     model_cfg = task.model_config(cfg.model)
     base_state = task.load_base_state(model_cfg)    # full (TP=1, PP=1) state dict, same on all ranks
-
-    # The policy (sampling and log-probs use it directly), megatron's DDP around it for training,
-    # and megatron's (distributed) optimizer.
     policy = build_model(model_cfg)
     if base_state is not None:  # None: the task keeps megatron's random initialisation
         load_full_state_dict(policy, base_state)
@@ -315,128 +250,219 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
     # The rollout engine first: a colocated vLLM engine checks at start-up that its share of GPU
     # memory is free, which it no longer is once gradient buffers and optimizer state exist.
     backend = build_rollout_backend(cfg, policy, model_cfg, task)
-    policy_ddp, optimizer = build_training_state(policy, trainer, scale.distributed_optimizer)
+    policy_ddp, optimizer = build_training_state(policy, cfg.trainer, cfg.scale.distributed_optimizer)
+    hand_over_training_state(backend, cfg, policy_ddp, optimizer)
     reference = None
     if spec.needs_reference_model(cfg.algorithm):
         reference = build_model(model_cfg)
         reference.load_state_dict(policy.state_dict())  # pi_ref: the base policy
         reference.requires_grad_(False)
-    # A colocated rollout engine needs the device memory the optimizer state and gradients hold:
-    # the backend moves them to the host around each of its sampling calls (rollouts, evaluation).
-    if scale.offload_optimizer_in_rollout and rollout_cfg.backend == "vllm":
-        backend.manage_training_state(policy_ddp, optimizer)
-
-    # QUATRO's adaptive-delta controller (None: the paper's fixed delta); its state is in the checkpoint.
-    delta_controller = DeltaController.from_config(cfg.algorithm) if isinstance(cfg.algorithm, QuatroConfig) else None
 
     # Resume (any parallel layout: the checkpoint is sharded by megatron's dist_checkpointing).
-    ckpt_layout = ckpt.layout_signature(layout)
-    start_step, optimizer_steps_done = 0, 0
-    resume_from = ckpt.latest_step(run_dir) if cfg.run.resume else None
+    algorithm_state = spec.make_state(cfg.algorithm)
+    state, resume_from = TrainState(), ckpt.latest_step(cfg.run.dir) if cfg.run.resume else None
     if resume_from is not None:
-        position = ckpt.load_checkpoint(run_dir, resume_from, policy_ddp, optimizer, ckpt_layout)
-        start_step, optimizer_steps_done = position["next_step"], position["optimizer_steps"]
-        if delta_controller is not None and "delta_controller" in position:
-            delta_controller.load_state_dict(position["delta_controller"])
-    logger = MetricsLogger(run_dir, enabled=rank0, resumed_step=resume_from, tensorboard=cfg.logging.tensorboard,
+        state = TrainState.from_common(ckpt.load_checkpoint(cfg.run.dir, resume_from, policy_ddp, optimizer,
+                                                            ckpt.layout_signature(layout)))
+        algorithm_state.load_state_dict(state.algorithm_state)
+    logger = MetricsLogger(cfg.run.dir, enabled=layout.rank == 0, resumed_step=resume_from,
+                           tensorboard=cfg.logging.tensorboard,
                            wandb_project=cfg.logging.wandb_project if cfg.logging.wandb else None,
                            config=OmegaConf.to_container(cfg.raw, resolve=True))
-    preemption = PreemptionFlag()
-    if rank0:
-        print(f"[quatro] {cfg.algorithm_name} | world {layout.world_size} (tp {layout.tensor_parallel}, "
-              f"pp {layout.pipeline_parallel}, dp {dp}) | steps {start_step}->{trainer.steps} | run dir {run_dir}",
-              flush=True)
+    slots = local_prompt_slots(cfg.trainer.prompts_per_step, mini_batch_prompts, layout.dp_rank,
+                               layout.data_parallel)
+    return Run(cfg=cfg, spec=spec, algorithm_state=algorithm_state, policy=policy, policy_ddp=policy_ddp,
+               optimizer=optimizer, reference=reference, backend=backend, batching=step_micro_batching(cfg),
+               slots=slots, state=state, task=task, logger=logger, layout=layout)
 
-    heldout = task.heldout_problems[:cfg.eval.num_problems]
 
-    def evaluate(step: int) -> Dict[str, Any]:
-        eval_metrics, rows = evaluate_policy(policy, backend, task, heldout, training_eval_settings(cfg))
-        if rank0:   # the samples recipes/evaluate.py and the run report read
-            os.makedirs(os.path.join(run_dir, "eval"), exist_ok=True)
-            write_samples(os.path.join(run_dir, "eval", f"samples_step{step:06d}.jsonl"), rows)
-        logger.log(step, eval_metrics, kind="eval")
-        return eval_metrics
-
-    if start_step == 0 and cfg.eval.num_problems > 0:
-        evaluate(0)   # the base model's held-out numbers, the report's "before" column
-
-    slots = local_prompt_slots(batch_size, mini_batch_size, dp_rank, dp)
-    progress = _progress_bar(cfg, rank0, start_step)
-    for step in range(start_step, trainer.steps):
-        t_start = time.perf_counter()
-
-        # 1. Prompts of this step; this DP rank's share.
+def train_step(run: Run, step: int) -> Dict[str, float]:
+    """One rollout step (module docstring, steps 1-7) with the config the algorithm's state sets
+    for it; advances ``run.state``. Returns the step's metrics (identical on every rank)."""
+    timer, cfg, task = Timer(), run.algorithm_state.config_for_step(run.cfg), run.task
+    n, batch_size = cfg.rollout.n, cfg.trainer.prompts_per_step
+    with timer.phase("rollout"):
+        # 1-2. This DP rank's prompts; N responses each from pi_old (sampling noise keyed by global
+        #      slot, so every layout draws the same responses).
         indices = step_prompt_indices(step, batch_size, len(task.train_problems), cfg.run.seed)
-        problems = [task.train_problems[indices[s]] for s in slots]
-
-        # 2. Rollouts: N responses per prompt from pi_old (sampling noise keyed by global slot, so
-        #    every layout draws the same responses).
-        params = SamplingParams(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
-                                max_new_tokens=rollout_cfg.max_new_tokens,
+        problems = [task.train_problems[indices[s]] for s in run.slots]
+        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                max_new_tokens=cfg.rollout.max_new_tokens,
                                 seed=derive_seed(cfg.run.seed, "rollout", step))
-        rollout, responses = task.sample(backend, problems, slots, rollout_cfg.n, params)
-        t_rollout = time.perf_counter()
-
+        rollout, responses = task.sample(run.backend, problems, run.slots, n, params)
+    with timer.phase("logprobs"):
         # 3. Rewards [B_local, N] -> global [B, N] (advantage estimators may use batch statistics).
-        local_rewards = torch.tensor(task.verifier.score_batch(
-            [p for p in problems for _ in range(rollout_cfg.n)], responses),
-            dtype=torch.float64).view(len(problems), rollout_cfg.n)
-        rewards, groups = shape_rewards(spec, cfg.algorithm, rollout, local_rewards, batch_size, mini_batch_size,
-                                        rollout_cfg.max_new_tokens)
+        local_rewards = torch.tensor(task.verifier.score_batch([p for p in problems for _ in range(n)], responses),
+                                     dtype=torch.float64).view(len(problems), n)
+        rewards, groups = shape_rewards(run.spec, cfg.algorithm, rollout, local_rewards, batch_size,
+                                        cfg.trainer.mini_batch_prompts or batch_size, cfg.rollout.max_new_tokens)
+    # 4-6. Advantages, log pi_old / log pi_ref (phase "logprobs"), K inner loops ("update").
+    learned = learn_from_rollout(run, cfg, rollout, groups, timer)
+    run.algorithm_state.observe(StepMeasurements(rewards, learned.policy_shift))
+    run.state = TrainState(next_step=step + 1, optimizer_steps=run.state.optimizer_steps + len(learned.metrics),
+                           algorithm_state=run.algorithm_state.state_dict())
+    # 7. Metrics.
+    metrics = _step_metrics(rewards, learned.advantages.metrics, learned.metrics, rollout, learned.old_entropy)
+    metrics.update(learned.engine_gap)
+    metrics.update(rollout.timings)
+    metrics.update(run.algorithm_state.metrics())
+    metrics.update(timer.metrics())
+    return metrics
 
-        # 4-6. Advantages, log pi_old / log pi_ref, K inner loops of optimizer steps.
-        step_cfg = cfg if delta_controller is None else dataclasses.replace(
-            cfg, algorithm=delta_controller.apply(cfg.algorithm))
-        learned = learn_from_rollout(step_cfg, spec, policy, policy_ddp, reference, optimizer, backend, rollout,
-                                     groups, slots, optimizer_steps_done,
-                                     measure_policy_shift=delta_controller is not None)
-        advantage_out, update_metrics, old_entropy = learned.advantages, learned.metrics, learned.old_entropy
-        optimizer_steps_done += len(update_metrics)
-        t_logprobs, t_update = learned.t_logprobs, time.perf_counter()
 
-        # 7. Metrics (identical on every rank), checkpoint, evaluation.
-        metrics = _step_metrics(rewards, advantage_out.metrics, update_metrics, rollout, old_entropy)
-        metrics.update(learned.engine_gap)
-        metrics.update(rollout.timings)
-        if delta_controller is not None:  # the next step's radius, from this step's achieved KL
-            shift = global_rewards(learned.policy_shift.view(len(problems), rollout_cfg.n).double(),
-                                   batch_size, mini_batch_size)
-            metrics["quatro/delta_used"] = delta_controller.delta
-            delta_controller.update(achieved_kl(shift, rewards))
-            metrics.update(delta_controller.metrics())
-        metrics.update({"time/rollout": t_rollout - t_start,
-                        "time/logprobs": t_logprobs - t_rollout, "time/update": t_update - t_logprobs,
-                        "time/step": time.perf_counter() - t_start})
-        if (step + 1) % trainer.log_every == 0 or step + 1 == trainer.steps:
-            logger.log(step + 1, metrics)
+def train(cfg: ExperimentConfig) -> Dict[str, Any]:
+    """Build the run, then train_step over the remaining steps, with held-out evaluation (at the
+    start and every ``trainer.eval_every``), logging and checkpoints (every ``checkpoint_every``,
+    at the end and on a preemption signal)."""
+    run = build_run(cfg)
+    rank0, trainer, start_step = run.layout.rank == 0, cfg.trainer, run.state.next_step
+    if rank0:
+        print(f"[quatro] {cfg.algorithm_name} | world {run.layout.world_size} (tp {run.layout.tensor_parallel}, "
+              f"pp {run.layout.pipeline_parallel}, dp {run.layout.data_parallel}) | steps {start_step}->"
+              f"{trainer.steps} | run dir {cfg.run.dir}", flush=True)
+    preemption, progress = PreemptionFlag(), _progress_bar(cfg, rank0, start_step)
+    if start_step == 0 and cfg.eval.num_problems > 0:
+        evaluate(run, 0)   # the base model's held-out numbers, the report's "before" column
+    for step in range(start_step, trainer.steps):
+        metrics = train_step(run, step)
+        done = step + 1 == trainer.steps
+        if (step + 1) % trainer.log_every == 0 or done:
+            run.logger.log(step + 1, metrics)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.1f}")
-
-        done = step + 1 == trainer.steps
         if cfg.eval.num_problems > 0 and (done or trainer.eval_every and (step + 1) % trainer.eval_every == 0):
-            evaluate(step + 1)   # before the checkpoint: a resumed run never redoes a logged record
+            evaluate(run, step + 1)   # before the checkpoint: a resumed run never redoes a logged record
         preempted = preemption.any_rank_signalled()
         if done or preempted or (trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0):
-            position = {"next_step": step + 1, "optimizer_steps": optimizer_steps_done}
-            if delta_controller is not None:
-                position["delta_controller"] = delta_controller.state_dict()
-            ckpt.save_checkpoint(run_dir, step + 1, policy_ddp, optimizer, position,
-                                 ckpt_layout, keep=trainer.keep_checkpoints)
+            ckpt.save_checkpoint(cfg.run.dir, step + 1, run.policy_ddp, run.optimizer, run.state.to_common(),
+                                 ckpt.layout_signature(run.layout), keep=trainer.keep_checkpoints)
         if preempted and not done:
-            logger.close()
+            run.logger.close()
             raise Preempted(f"{preemption.signal_name or 'signal on another rank'} at step {step + 1}")
-
     if progress is not None:
         progress.close()
-    logger.close()
-    summary: Dict[str, Any] = {}
-    if rank0:
-        summary = write_report(run_dir, cfg, task.properties)
-        print(f"[quatro] done: report at {os.path.join(run_dir, 'report.md')}", flush=True)
-        if summary["base"] and summary["final"]:   # the before/after comparison, where the user is looking
-            print("\n".join(heldout_table(summary["base"], summary["final"])), flush=True)
+    run.logger.close()
+    return _finish(run) if rank0 else {}
+
+
+def evaluate(run: Run, step: int) -> Dict[str, Any]:
+    """Held-out evaluation of the current policy (collective), logged and its samples saved."""
+    heldout = run.task.heldout_problems[:run.cfg.eval.num_problems]
+    eval_metrics, rows = evaluate_policy(run.policy, run.backend, run.task, heldout, training_eval_settings(run.cfg))
+    if run.layout.rank == 0:   # the samples recipes/evaluate.py and the run report read
+        os.makedirs(os.path.join(run.cfg.run.dir, "eval"), exist_ok=True)
+        write_samples(os.path.join(run.cfg.run.dir, "eval", f"samples_step{step:06d}.jsonl"), rows)
+    run.logger.log(step, eval_metrics, kind="eval")
+    return eval_metrics
+
+
+def _finish(run: Run) -> Dict[str, Any]:
+    """Rank 0: the run's report, and the before/after table where the user is looking."""
+    summary = write_report(run.cfg.run.dir, run.cfg, run.task.properties)
+    print(f"[quatro] done: report at {os.path.join(run.cfg.run.dir, 'report.md')}", flush=True)
+    if summary["base"] and summary["final"]:
+        print("\n".join(heldout_table(summary["base"], summary["final"])), flush=True)
     return summary
+
+
+# --------------------------------------------------------------------------------------------
+# Steps 4-6: learning from one rollout
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutLearning:
+    """What :func:`learn_from_rollout` returns: the estimator's output (``advantages`` [B, N] and
+    its metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], the engine
+    gap metrics (vLLM), and, when the algorithm's state needs it, the updated policy's global
+    trajectory log-ratios ``log pi_theta(o_i) / pi_old(o_i)`` [B, N] (else None)."""
+
+    advantages: Any
+    metrics: List[Dict[str, float]]
+    old_entropy: torch.Tensor
+    engine_gap: Dict[str, float]
+    policy_shift: Optional[torch.Tensor] = None
+
+
+def learn_from_rollout(run: Run, cfg: ExperimentConfig, rollout, groups: ShapedGroups,
+                       timer: Optional[Timer] = None) -> RolloutLearning:
+    """Steps 4-6 of a training step on this rank's rollout with the step's config ``cfg``, shared
+    by :func:`train_step` and ``benchmarks/bench_step.py`` (which replays saved rollouts through
+    it). ``groups``: the algorithm's data-side view of the global [B, N] rewards
+    (:func:`shape_rewards`). Collective over all ranks. Phases ``logprobs`` and ``update`` of
+    ``timer``."""
+    timer = timer or Timer()
+    n, batching = cfg.rollout.n, run.batching
+    with timer.phase("logprobs"):
+        # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
+        advantage_out = run.spec.advantage_estimator(groups.rewards, cfg.algorithm)
+        advantages = advantage_out.advantages[run.slots].reshape(-1)
+        # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref; rows of groups
+        # the data-side hook dropped (DAPO's filter) leave the loss.
+        batch = make_batch(rollout, advantages, groups.weights[run.slots].repeat_interleave(n))
+        with torch.no_grad():
+            batch["old_logprobs"], old_entropy = compute_logprobs(run.policy, batch, batching)
+            if run.reference is not None:
+                batch["ref_logprobs"], _ = compute_logprobs(run.reference, batch, batching)
+        engine_gap = ({} if rollout.engine_logprobs is None else
+                      engine_gap_metrics(rollout.engine_logprobs, batch["old_logprobs"], rollout.response_mask))
+        correction = ImportanceCorrection(cfg.rollout.importance_correction)
+        if rollout.engine_logprobs is not None and correction != ImportanceCorrection.none:
+            device = batch["old_logprobs"].device
+            batch["is_weights"] = truncated_importance_weights(
+                batch["old_logprobs"], rollout.engine_logprobs.to(device), rollout.response_mask.to(device),
+                correction, cfg.rollout.importance_cap)
+    with timer.phase("update"):
+        # 6. K inner loops over the same rollouts; each mini-batch is one optimizer step.
+        update_metrics = update_policy(run, cfg, batch)
+        if update_metrics:
+            run.backend.update_weights()
+        policy_shift = measure_policy_shift(run, cfg, batch) if run.algorithm_state.needs_policy_shift else None
+    return RolloutLearning(advantage_out, update_metrics, old_entropy, engine_gap, policy_shift)
+
+
+def update_policy(run: Run, cfg: ExperimentConfig, batch: Dict[str, torch.Tensor]) -> List[Dict[str, float]]:
+    """K inner loops over one rollout batch (step 6): each mini-batch of ``run.batching``'s
+    ``mini_batch_rows`` local rows is one optimizer step. Returns each update's metrics (loss
+    metrics, grad_norm, lr).
+
+    No step without a signal: a mini-batch whose loss has no gradient at all (every advantage 0
+    while the policy is still pi_old and pi_ref) takes no optimizer step and returns no metrics,
+    so neither Adam's momentum nor weight decay moves the weights. Its gradient is exactly 0 only
+    because pi_old's log-probs equal the training forward's bitwise (the log-prob passes use the
+    same ``run.batching``: the same micro-batches in both passes)."""
+    trainer, rows_per_mini = cfg.trainer, run.batching.mini_batch_rows
+    optimizer_steps_done = run.state.optimizer_steps
+    updates: List[Dict[str, float]] = []
+    for _inner in range(trainer.inner_loops):
+        for start in range(0, batch["tokens"].shape[0], rows_per_mini):
+            mini = slice_batch(batch, slice(start, start + rows_per_mini))
+            if dp_sum(mini["response_mask"].sum()) == 0:
+                continue  # every group of this mini-batch was filtered out (dynamic sampling)
+            training.zero_gradients(run.policy_ddp, run.optimizer)
+            metrics = train_step_forward_backward(run.policy_ddp, mini, run.spec.policy_loss, cfg.algorithm,
+                                                  run.batching)
+            if not training.has_gradient(run.policy_ddp):
+                continue  # no learning signal: no step on a zero gradient
+            lr = training.warmup_learning_rate(trainer.lr, trainer.lr_warmup_steps, optimizer_steps_done)
+            training.set_learning_rate(run.optimizer, lr)
+            metrics["grad_norm"] = training.optimizer_step(run.policy_ddp, run.optimizer)
+            metrics["lr"] = lr
+            optimizer_steps_done += 1
+            updates.append(metrics)
+    return updates
+
+
+def measure_policy_shift(run: Run, cfg: ExperimentConfig, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """The updated policy's trajectory log-ratios ``sum_t (log pi_theta - log pi_old)`` [B, N] in
+    global prompt order (float64, every rank): one more forward pass over the step's rollouts."""
+    with torch.no_grad():
+        new_logprobs, _ = compute_logprobs(run.policy, batch, run.batching)
+    local = ((new_logprobs - batch["old_logprobs"]) * batch["response_mask"]).sum(dim=-1)
+    batch_size = cfg.trainer.prompts_per_step
+    return global_rewards(local.view(len(run.slots), cfg.rollout.n).double(), batch_size,
+                          cfg.trainer.mini_batch_prompts or batch_size)
 
 
 def _step_metrics(rewards, advantage_metrics, update_metrics, rollout, old_entropy) -> Dict[str, float]:
@@ -447,10 +473,7 @@ def _step_metrics(rewards, advantage_metrics, update_metrics, rollout, old_entro
     }
     out.update({k: float(v) for k, v in advantage_metrics.items()})
     out["optimizer_steps"] = len(update_metrics)
-    for key in (update_metrics[0] if update_metrics else []):  # mean over the step's updates (max/min for extrema)
-        values = [m[key] for m in update_metrics]
-        out[key] = max(values) if key.endswith("/max") else (
-            min(values) if key.endswith("/min") else sum(values) / len(values))
+    out.update(reduce_over_updates(update_metrics))
     mask = rollout.response_mask.to(old_entropy.device).float()  # every sampled token, filtered groups too
     local = torch.tensor([float((old_entropy * mask).sum()), float(mask.sum()), float(mask.shape[0])],
                          dtype=torch.float64, device=current_device())

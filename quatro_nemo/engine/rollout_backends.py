@@ -25,3 +25,12 @@ def build_rollout_backend(cfg: "ExperimentConfig", model, model_config, task) ->
         return VllmRolloutBackend(model, model_config, engine=cfg.vllm,
                                   stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
     raise ValueError(f"rollout.backend={name!r}: choose one of {list(BACKENDS)}")
+
+
+def hand_over_training_state(backend: RolloutBackend, cfg: "ExperimentConfig", policy_ddp, optimizer) -> None:
+    """Give the backend the training state it moves off the device around its sampling calls
+    (rollouts and evaluation): a colocated vLLM engine needs the memory the optimizer state and
+    gradients hold, with ``scale.offload_optimizer_in_rollout`` (the memory plan's phases). The
+    megatron backend samples with the trained model itself and keeps everything in place."""
+    if cfg.scale.offload_optimizer_in_rollout and isinstance(backend, VllmRolloutBackend):
+        backend.manage_training_state(policy_ddp, optimizer)

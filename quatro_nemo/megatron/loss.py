@@ -10,8 +10,8 @@ Exactness over any split of the global batch (NeMo-RL's ``global_valid_seqs/toks
   the closure's ``(loss, count, metrics)`` as is (no division by ``num_microbatches``), and
   megatron's DDP SUMS data-parallel gradients instead of averaging them
   (:mod:`quatro_nemo.megatron.training`), which is exactly what shares of a global loss need.
-- metrics are additive shares too and are summed over micro-batches and DP ranks, except keys
-  ending in ``/max`` or ``/min`` (:func:`reduce_metrics`). They are computed on the last pipeline
+- metrics are additive shares too and are summed over micro-batches and DP ranks, except maxima
+  and minima (their kind: :mod:`quatro_nemo.algos.metric_reduction`; :func:`reduce_metrics`). They are computed on the last pipeline
   stage and broadcast to every stage.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from quatro_nemo.algos.aggregation import LossNormalizer, count_sequences, count_tokens
 from quatro_nemo.algos.importance import importance_weighted_logprobs
+from quatro_nemo.algos.metric_reduction import Reduction, metric_reduction
 from quatro_nemo.megatron import parallel
 
 LOSS_KEY = "loss"
@@ -92,29 +93,22 @@ def unit_count(like: torch.Tensor) -> torch.Tensor:
     return torch.ones((), dtype=torch.int, device=like.device)
 
 
-def _reduce_op(key: str) -> str:
-    if key.endswith("/max"):
-        return "max"
-    if key.endswith("/min"):
-        return "min"
-    return "sum"
-
-
 def reduce_metrics(per_microbatch: List[Mapping[str, torch.Tensor]], dp_group=None) -> Dict[str, float]:
     """Reduce metric shares over micro-batches and data-parallel ranks (last stage only).
 
-    ``/max`` and ``/min`` keys reduce with max and min, every other key with sum
-    (``docs/interfaces.md``). One all-reduce per kind over ``dp_group`` (default megatron's DP
-    group); every DP rank must pass the same keys.
+    Each key reduces by its kind (:func:`~quatro_nemo.algos.metric_reduction.metric_reduction`:
+    shares with sum, maxima with max, minima with min). One all-reduce per kind over ``dp_group``
+    (default megatron's DP group); every DP rank must pass the same keys.
     """
     keys = sorted({key for metrics in per_microbatch for key in metrics})
     if dp_group is None:
         dp_group = parallel.dp_group()
-    torch_ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-    local_reducers = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
+    torch_ops = {Reduction.SHARE: dist.ReduceOp.SUM, Reduction.MAX: dist.ReduceOp.MAX,
+                 Reduction.MIN: dist.ReduceOp.MIN}
+    local_reducers = {Reduction.SHARE: torch.sum, Reduction.MAX: torch.amax, Reduction.MIN: torch.amin}
     result: Dict[str, float] = {}
     for kind, torch_op in torch_ops.items():
-        kind_keys = [key for key in keys if _reduce_op(key) == kind]
+        kind_keys = [key for key in keys if metric_reduction(key) is kind]
         if not kind_keys:
             continue
         values = torch.stack([

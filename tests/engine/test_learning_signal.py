@@ -83,11 +83,13 @@ class _Backend:
 
 def _learner(overrides, kernels, algorithm="quatro", with_reference=True):
     """(learn(rewards, spec=None) -> RolloutLearning, policy): the engine's update on the fixed
-    rollout, as ``train()`` builds it (``build_training_state``, a reference copy of the policy)."""
+    rollout, as ``build_run()`` builds it (``build_training_state``, a reference copy of the policy)."""
     from quatro_nemo.algos import get_algorithm
     from quatro_nemo.algos.reward_shaping import ShapedGroups
     from quatro_nemo.engine.config import load_config
-    from quatro_nemo.engine.loop import build_training_state, learn_from_rollout, local_prompt_slots
+    from quatro_nemo.engine.checkpoint import TrainState
+    from quatro_nemo.engine.loop import (Run, build_training_state, learn_from_rollout, local_prompt_slots,
+                                         step_micro_batching)
     from quatro_nemo.megatron.models import ModelConfig, build_model
     from quatro_nemo.megatron.parallel import initialize_parallel
 
@@ -111,8 +113,11 @@ def _learner(overrides, kernels, algorithm="quatro", with_reference=True):
 
     def learn(rewards, spec=None):
         groups = ShapedGroups(rewards=rewards, weights=torch.ones(NUM_PROMPTS, dtype=torch.float64))
-        return learn_from_rollout(cfg, spec or get_algorithm(cfg.algorithm_name), policy, policy_ddp, reference,
-                                  optimizer, _Backend(), rollout, groups, slots, optimizer_steps_done=0)
+        spec = spec or get_algorithm(cfg.algorithm_name)
+        run = Run(cfg=cfg, spec=spec, algorithm_state=spec.make_state(cfg.algorithm), policy=policy,
+                  policy_ddp=policy_ddp, optimizer=optimizer, reference=reference, backend=_Backend(),
+                  batching=step_micro_batching(cfg), slots=slots, state=TrainState())
+        return learn_from_rollout(run, cfg, rollout, groups)
 
     return learn, policy
 

@@ -22,3 +22,27 @@ def test_data_parallel_slots_partition_every_mini_batch_evenly():
         for slots in per_rank:
             assert sum(start <= s < start + mini for s in slots) == mini // dp
     assert local_prompt_slots(batch, batch, 0, 1) == list(range(batch))
+
+
+def test_train_state_reads_checkpoints_written_before_it_existed():
+    """A checkpoint's ``common`` from before issue 30 (a position dict with QUATRO's controller at
+    the top level) resumes as the same position and controller state."""
+    import io
+
+    import torch
+
+    from quatro_nemo.algos import QuatroConfig, get_algorithm
+    from quatro_nemo.engine.checkpoint import TrainState
+
+    controller = {"delta": 0.0625, "updates": 3, "last_kl": 0.02}
+    buffer = io.BytesIO()
+    torch.save({"next_step": 4, "optimizer_steps": 16, "delta_controller": controller}, buffer)
+    buffer.seek(0)
+    state = TrainState.from_common(torch.load(buffer, weights_only=False))
+    assert (state.next_step, state.optimizer_steps) == (4, 16)
+    quatro = get_algorithm("quatro").make_state(QuatroConfig(delta_controller="kl"))
+    quatro.load_state_dict(state.algorithm_state)
+    assert quatro.delta_controller.state_dict() == controller
+    # and the new form round-trips
+    assert TrainState.from_common(state.to_common()) == state
+    assert TrainState.from_common({"next_step": 2, "optimizer_steps": 8}) == TrainState(2, 8, {})
