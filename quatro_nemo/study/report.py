@@ -6,8 +6,9 @@ same metrics writes the same report.md and report.json byte for byte.
 from __future__ import annotations
 
 import json
+import math
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -29,6 +30,13 @@ def _fmt(s: Optional[Stat], digits: int = 3) -> str:
 
 def _value(x: Any, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _interval(bounds: Optional[Tuple[float, float]]) -> str:
+    """A simultaneous interval (stats.simultaneous_intervals); an infinite end as -inf / +inf."""
+    if bounds is None:
+        return "-"
+    return "[" + ", ".join(f"{b:+.4f}" if math.isfinite(b) else ("+inf" if b > 0 else "-inf") for b in bounds) + "]"
 
 
 def _tp(top_p: float) -> str:
@@ -226,12 +234,14 @@ def _claim_lines(claims: Sequence[Claim]) -> List[str]:
             t = x.test
             detail = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in x.detail.items())
             if isinstance(t, PairedTest):
-                rows.append([x.label, f"{t.mean:+.4f}", f"[{t.low:+.4f}, {t.high:+.4f}]", f"{t.p_value:.3g}",
-                             f"{x.p_adjusted:.3g}", x.outcome, detail])
+                rows.append([x.label, f"{t.mean:+.4f}", f"[{t.low:+.4f}, {t.high:+.4f}]", _interval(x.simultaneous),
+                             f"{t.p_value:.3g}", f"{x.p_adjusted:.3g}", _value(x.tost_p_adjusted, 3), x.outcome, detail])
             else:
-                rows.append([x.label, "-", "-", "-", "-", x.outcome, detail])
-        lines += _table(["vs / effect", "mean difference (> 0 supports)", "95% CI (paired t)", "p", "Holm p",
-                         "outcome", "details"], rows)
+                rows.append([x.label, "-", "-", "-", "-", "-", "-", x.outcome, detail])
+        header = ["vs / effect", "mean difference (> 0 supports)", "95% CI (paired t)",
+                  "simultaneous 95% CI (Holm-compatible)", "p", "Holm p"]
+        lines += _table(header + [f"TOST Holm p (margin ±{c.margin:g})" if c.margin else "TOST", "outcome", "details"],
+                        rows)
     return lines
 
 
