@@ -47,6 +47,7 @@ class RunData:
     name: str
     evals: Dict[float, Dict[str, Any]]     # top_p -> the final held-out record
     train: List[Dict[str, Any]]            # train records sorted by step
+    checkpoints: List[Dict[str, Any]] = field(default_factory=list)   # the loop's held-out records, by step
 
     def final(self, top_p: float) -> Optional[Dict[str, Any]]:
         return self.evals.get(float(top_p))
@@ -75,7 +76,8 @@ def run_from_records(name: str, records: Sequence[Dict[str, Any]]) -> Optional[R
     if not evals:
         return None
     train = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])
-    return RunData(name, evals, train)
+    checkpoints = sorted((r for r in records if r.get("kind") == "eval"), key=lambda r: r["step"])
+    return RunData(name, evals, train, checkpoints)
 
 
 def load_runs(study_dir: str, names: Sequence[str]) -> Dict[str, RunData]:
@@ -400,6 +402,65 @@ def claim_at_stress_point(study: Study, point: str) -> Claim:
                   "tested at this point alone (fixed, not searched); arms vs every baseline and vs QUATRO")
 
 
+MATCH_WINDOW = 5     # rollout steps averaged for a checkpoint's rollout reward / KL-to-reference
+
+
+def checkpoint_curve(run: RunData, x_key: str, y_key: str) -> List[Tuple[float, float]]:
+    """(x, y) at each held-out checkpoint after step 0: x the mean of training metric ``x_key``
+    over the MATCH_WINDOW rollout steps ending at the checkpoint (rollout reward is noisy step to
+    step), y the checkpoint's held-out ``y_key``."""
+    out = []
+    for record in run.checkpoints:
+        x, y = window_mean(run, x_key, record["step"]), finite(record.get(y_key))
+        if record["step"] > 0 and x is not None and y is not None:
+            out.append((x, y))
+    return out
+
+
+def window_mean(run: RunData, key: str, step: int) -> Optional[float]:
+    """The mean of training metric ``key`` over the MATCH_WINDOW rollout steps ending at ``step``."""
+    values = finite_values(r.get(key) for r in run.train if step - MATCH_WINDOW < r["step"] <= step)
+    return float(np.mean(values)) if values else None
+
+
+def matched_difference(mine: List[Tuple[float, float]], other: List[Tuple[float, float]]) -> Optional[float]:
+    """y(mine) - y(other) at the matched level x*: the highest x both curves reached, read off each
+    by linear interpolation along x; None when the ranges of x do not overlap (or a curve has fewer
+    than two checkpoints)."""
+    if len(mine) < 2 or len(other) < 2:
+        return None
+    level = min(max(x for x, _ in mine), max(x for x, _ in other))
+    if level < max(min(x for x, _ in mine), min(x for x, _ in other)):
+        return None
+
+    def at(curve: List[Tuple[float, float]]) -> float:
+        xs, ys = zip(*sorted(curve))
+        return float(np.interp(level, xs, ys))
+    return at(mine) - at(other)
+
+
+def claim_matched(study: Study, claim_id: str, x_key: str, x_name: str, y_key: str,
+                  baselines: Optional[Sequence[str]] = None) -> Claim:
+    """Issue 29: QUATRO's held-out ``y_key`` minus each baseline's at a matched training level
+    (rollout reward or KL-to-reference) rather than at an equal step, paired by seed; the level is
+    the highest both runs of the seed reached (:func:`matched_difference`)."""
+    plan = study.plan
+    curves = {name: {spec.seed: checkpoint_curve(study.runs[spec.name], x_key, y_key)
+                     for spec in plan.runs_of(setting, plan.seeds) if spec.name in study.runs}
+              for name, setting in plan.compare.items()}
+    comparisons = []
+    for name in plan.compare:
+        if name == QUATRO or (baselines is not None and name not in baselines):
+            continue
+        diffs = {s: matched_difference(curves[QUATRO][s], curves[name][s]) for s in curves[QUATRO] if s in curves[name]}
+        diffs = {s: d for s, d in diffs.items() if d is not None}
+        comparisons.append(paired_comparison(name, diffs, {s: 0.0 for s in diffs}))
+    return _claim(study, claim_id, f"QUATRO keeps a higher held-out {y_key} than each baseline at matched {x_name} "
+                  f"(held-out checkpoints every {study.cfg.checkpoints.every} steps, top-p {study.claim_top_p:g})",
+                  comparisons, "", f"per seed, at the highest {x_name} both runs reached (mean over the "
+                  f"{MATCH_WINDOW} rollout steps before a checkpoint), each run's held-out value interpolated there")
+
+
 def claim_logratio(study: Study) -> Claim:
     """Fig. 4c: with the detached log-ratio term the final reward is higher and the mean
     KL(pi_old || pi_theta) over training lower (both paired by seed)."""
@@ -499,6 +560,11 @@ def evaluate_claims(study: Study, advantages: Dict[float, Dict[str, List[float]]
     per_family("entropy_stable", lambda cid, bl: claim_higher_than_baselines(
         study, cid, "QUATRO's entropy stays stable while baselines' collapse (Fig. 3): "
         "higher ratio of last to first rollout entropy", entropy_retention, "entropy retention", baselines=bl))
+    if study.cfg.checkpoints.every:
+        n = study.cfg.checkpoints.n_samples
+        for x_key, x_name, tag in (("reward/mean", "rollout reward", "reward"), ("policy/kl_ref", "KL-to-reference", "kl")):
+            per_family(f"ucc_matched_{tag}", lambda cid, bl, x_key=x_key, x_name=x_name: claim_matched(
+                study, cid, x_key, x_name, f"ucc@{n}", bl))
     claims += [claim_at_stress_point(study, point) for point in study.plan.stress]
     plan = study.plan
     claims.append(claim_stability(
