@@ -7,6 +7,7 @@
     python recipes/study.py 'study.seeds=[1,2,3,4,5,6]' study.workers=2   # study-config overrides
     python recipes/study.py study=quick report_only=true   # rebuild the report from the kept metrics
     python recipes/study.py estimate=runs/study_quick      # the full study's wall time, from quick's timings
+    python recipes/study.py study=design estimate=true    # a study's cost from the committed full study's timings
     python recipes/study.py emit_sweep=slurm/sweeps/study_full.txt study.train_config=quatro_1p5b 'study.train_overrides=[]'
     python recipes/study.py collect=runs/sweeps/study_full-<timestamp> study.train_config=quatro_1p5b 'study.train_overrides=[]'
     python recipes/study.py --config-dir my_conf study=mine   # a study config of your own: my_conf/study/mine.yaml
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 import hydra  # noqa: E402
 from omegaconf import MISSING, DictConfig, OmegaConf  # noqa: E402
@@ -58,7 +60,7 @@ class StudyRecipeConfig:
     out: Optional[str] = None          # study directory (default runs/study_<study.name>)
     # modes (at most one; none: train and evaluate every run, then report)
     report_only: bool = False          # no training: the report from <out>/metrics/
-    estimate: Optional[str] = None     # a finished study's directory: this study's wall time from its timings
+    estimate: Optional[str] = None     # a finished study's directory (or true: the committed full study's): this study's cost
     emit_sweep: Optional[str] = None   # write the run list for slurm/sweep.sh to this file
     collect: Optional[str] = None      # report on this slurm/sweep.sh sweep directory
 
@@ -67,6 +69,8 @@ class StudyRecipeConfig:
         if len(modes) > 1:
             raise ConfigError(f"config keys {' and '.join(modes)} are exclusive modes: give at most one")
         for key in ("estimate", "collect"):
+            if key == "estimate" and str(self.estimate).lower() == "true":    # the committed full study's timings
+                continue
             if getattr(self, key) is not None and not os.path.isdir(getattr(self, key)):
                 raise ConfigError(f"config key {key}: directory {getattr(self, key)!r} not found")
 
@@ -112,7 +116,9 @@ def run(recipe: StudyRecipeConfig) -> int:
     out = recipe.out or os.path.join("runs", f"study_{cfg.name}")
     if recipe.estimate:
         from quatro_nemo.study.timing import estimate_minutes
-        print(json.dumps(estimate_minutes(cfg, recipe.estimate), indent=1))
+        from quatro_nemo.study.timing import COMMITTED_TIMINGS
+        timed = os.path.join(REPO, COMMITTED_TIMINGS) if str(recipe.estimate).lower() == "true" else recipe.estimate
+        print(json.dumps(estimate_minutes(cfg, timed), indent=1))
         return 0
     if recipe.emit_sweep:
         count = emit_sweep(cfg, recipe.emit_sweep)
@@ -148,7 +154,10 @@ def study_job(cfg: DictConfig) -> None:
             recipe = validate(cfg, hydra_cfg.runtime.choices[STUDY_GROUP])
             if hydra_cfg.mode == RunMode.MULTIRUN and recipe.out:
                 recipe.out = os.path.join(recipe.out, str(hydra_cfg.job.num))
-            code = run(recipe)
+            try:
+                code = run(recipe)
+            except StudyConfigError as exc:   # found when the plan is built (e.g. an arm's unknown field)
+                raise ConfigError(f"study '{recipe.study.name}': {exc}") from exc
     except StudyInterrupted as stop:
         print(f"study stopped: {stop}; the same command continues it", file=sys.stderr)
         raise SystemExit(INTERRUPTED_EXIT_CODE) from stop

@@ -47,6 +47,7 @@ class RunData:
     name: str
     evals: Dict[float, Dict[str, Any]]     # top_p -> the final held-out record
     train: List[Dict[str, Any]]            # train records sorted by step
+    checkpoints: List[Dict[str, Any]] = field(default_factory=list)   # the loop's held-out records, by step
 
     def final(self, top_p: float) -> Optional[Dict[str, Any]]:
         return self.evals.get(float(top_p))
@@ -75,7 +76,8 @@ def run_from_records(name: str, records: Sequence[Dict[str, Any]]) -> Optional[R
     if not evals:
         return None
     train = sorted((r for r in records if r.get("kind") == "train"), key=lambda r: r["step"])
-    return RunData(name, evals, train)
+    checkpoints = sorted((r for r in records if r.get("kind") == "eval"), key=lambda r: r["step"])
+    return RunData(name, evals, train, checkpoints)
 
 
 def load_runs(study_dir: str, names: Sequence[str]) -> Dict[str, RunData]:
@@ -175,7 +177,7 @@ class Study:
                  base: Optional[Dict[float, Dict[str, Any]]] = None):
         self.cfg, self.plan, self.runs, self.base = cfg, plan, runs, base or {}
         self.top_ps = [float(p) for p in cfg.evaluation.top_p]
-        self.claim_top_p = self.top_ps[0]
+        self.claim_top_p = cfg.decision_top_p      # stated in advance (claim_top_p), else the first
 
     def by_seed(self, setting: Setting, seeds: Sequence[int], extract: Extract) -> Dict[int, float]:
         """seed -> value for the finished runs of `setting` among `seeds`."""
@@ -241,6 +243,7 @@ class Claim:
     summary: str                    # the numbers behind the verdict, one line
     comparisons: List[Comparison] = field(default_factory=list)
     note: str = ""
+    margin: Optional[float] = None  # the stated equivalence margin (TOST), if the claim has one
 
 
 def paired_comparison(label: str, better: Mapping[int, float], other: Mapping[int, float],
@@ -251,30 +254,49 @@ def paired_comparison(label: str, better: Mapping[int, float], other: Mapping[in
 
 
 def _count_line(comparisons: Sequence[Comparison]) -> str:
-    from quatro_nemo.study.stats import OPPOSES, SUPPORTS
+    from quatro_nemo.study.stats import OPPOSES, SUPPORTS, WITHIN_MARGIN
 
     n = len(comparisons)
+    equivalent = sum(c.outcome == WITHIN_MARGIN for c in comparisons)
     return (f"significant for the claim vs {sum(c.outcome == SUPPORTS for c in comparisons)}/{n}, "
-            f"against it vs {sum(c.outcome == OPPOSES for c in comparisons)}/{n}")
+            f"against it vs {sum(c.outcome == OPPOSES for c in comparisons)}/{n}"
+            + (f", equivalent vs {equivalent}/{n}" if equivalent else ""))
 
 
 def _claim(study: Study, claim_id: str, statement: str, comparisons: List[Comparison], summary: str,
            note: str = "") -> Claim:
-    verdict = decide(comparisons, study.cfg.alpha)
+    """Decide the claim's family (stats.decide), with the equivalence margin the study config
+    states for this claim id, if any (``equivalence_margins``)."""
+    margin = study.cfg.equivalence_margins.get(claim_id)
+    verdict = decide(comparisons, study.cfg.alpha, margin)
     if comparisons and verdict != NOT_TESTED:
         summary = f"{summary}; {_count_line(comparisons)}" if summary else _count_line(comparisons)
-    return Claim(claim_id, statement, verdict, summary, comparisons, note)
+    return Claim(claim_id, statement, verdict, summary, comparisons, note, margin)
+
+
+def families(study: Study, claim_id: str) -> List[Tuple[str, List[str]]]:
+    """(claim id, baselines) of each family of a main-comparison claim: one family of every
+    baseline, or, with ``primary_baselines``, the primary family under the claim's own id and the
+    other baselines as ``<id>_secondary`` (each Holm-corrected on its own)."""
+    baselines = [a for a in study.plan.compare if a != QUATRO]
+    primary = study.cfg.primary_baselines
+    if not primary:
+        return [(claim_id, baselines)]
+    secondary = [a for a in baselines if a not in primary]
+    return [(claim_id, list(primary))] + ([(f"{claim_id}_secondary", secondary)] if secondary else [])
 
 
 def claim_higher_than_baselines(study: Study, claim_id: str, statement: str, extract: Extract, metric_name: str,
-                                beside: Optional[Tuple[str, Extract]] = None) -> Claim:
-    """QUATRO's metric vs each baseline's at the default settings, paired by seed. `beside`
-    (name, extract) is a related metric reported with each comparison, not tested."""
+                                beside: Optional[Tuple[str, Extract]] = None,
+                                baselines: Optional[Sequence[str]] = None) -> Claim:
+    """QUATRO's metric vs each baseline's (``baselines``: these only) at the default settings,
+    paired by seed. `beside` (name, extract) is a related metric reported with each comparison,
+    not tested."""
     plan = study.plan
     quatro = study.by_seed(plan.compare[QUATRO], plan.seeds, extract)
     comparisons = []
     for name, setting in plan.compare.items():
-        if name == QUATRO:
+        if name == QUATRO or (baselines is not None and name not in baselines):
             continue
         other = study.by_seed(setting, plan.seeds, extract)
         detail = {"quatro": _mean(quatro), name: _mean(other)}
@@ -291,21 +313,22 @@ def _mean(values: Mapping[int, float]) -> Optional[float]:
     return float(np.mean(list(values.values()))) if values else None
 
 
-def claim_gain_grows_with_k(study: Study, kmax: int) -> Claim:
+def claim_gain_grows_with_k(study: Study, kmax: int, claim_id: str = "passk_gain_grows_with_k",
+                            baselines: Optional[Sequence[str]] = None) -> Claim:
     """Per seed: (QUATRO - baseline) at k = kmax minus at k = 1."""
     plan, p = study.plan, study.claim_top_p
     lo, hi = final_metric("pass@1", p), final_metric(f"pass@{kmax}", p)
     q_lo, q_hi = (study.by_seed(plan.compare[QUATRO], plan.seeds, e) for e in (lo, hi))
     comparisons = []
     for name, setting in plan.compare.items():
-        if name == QUATRO:
+        if name == QUATRO or (baselines is not None and name not in baselines):
             continue
         b_lo, b_hi = (study.by_seed(setting, plan.seeds, e) for e in (lo, hi))
         gain_hi = dict(zip(*_paired(q_hi, b_hi)))
         gain_lo = dict(zip(*_paired(q_lo, b_lo)))
         comparisons.append(paired_comparison(name, gain_hi, gain_lo, **{"gain@1": _mean(gain_lo),
                                                                         f"gain@{kmax}": _mean(gain_hi)}))
-    return _claim(study, "passk_gain_grows_with_k",
+    return _claim(study, claim_id,
                   f"QUATRO's Pass@k gain over each baseline grows with k (k=1 -> k={kmax})", comparisons, "")
 
 
@@ -355,6 +378,87 @@ def claim_stability(study: Study, claim_id: str, statement: str, sweep: Dict[str
     return _claim(study, claim_id, statement, comparisons, summary,
                   "loss = reward at the default minus reward at a point, averaged over the axis's other points "
                   "that both methods ran")
+
+
+def claim_at_stress_point(study: Study, point: str) -> Claim:
+    """Issue 29: at a fixed stress point, QUATRO's final held-out reward minus each baseline's
+    there, paired by seed (``stress.seeds``), one Holm family per point; each QUATRO arm
+    (``stress.arms``) is compared with every baseline and with QUATRO itself in the same family."""
+    settings, seeds = study.plan.stress[point], study.plan.stress_seeds
+    reward = final_metric("reward/mean", study.claim_top_p)
+    values = {name: study.by_seed(setting, seeds, reward) for name, setting in settings.items()}
+    arms = list(study.cfg.stress.arms)
+    baselines = [a for a in settings if a != QUATRO and a not in arms]
+    comparisons = [paired_comparison(f"quatro - {b}", values[QUATRO], values[b], quatro=_mean(values[QUATRO]),
+                                     baseline=_mean(values[b])) for b in baselines]
+    for arm in arms:
+        comparisons += [paired_comparison(f"{arm} - {b}", values[arm], values[b], arm=_mean(values[arm]),
+                                          baseline=_mean(values[b])) for b in [*baselines, QUATRO]]
+    where = ", ".join(f"{k} {v:g}" for k, v in study.cfg.stress.points[point].items())
+    summary = ", ".join(f"{name} {_mean(v):.4f}" for name, v in values.items() if v)
+    return _claim(study, f"stress_{point}", f"At the stress point {point} ({where}) QUATRO keeps a higher final "
+                  f"held-out reward than every baseline (top-p {study.claim_top_p:g})", comparisons,
+                  f"final held-out reward: {summary}" if summary else "",
+                  "tested at this point alone (fixed, not searched); arms vs every baseline and vs QUATRO")
+
+
+MATCH_WINDOW = 5     # rollout steps averaged for a checkpoint's rollout reward / KL-to-reference
+
+
+def checkpoint_curve(run: RunData, x_key: str, y_key: str) -> List[Tuple[float, float]]:
+    """(x, y) at each held-out checkpoint after step 0: x the mean of training metric ``x_key``
+    over the MATCH_WINDOW rollout steps ending at the checkpoint (rollout reward is noisy step to
+    step), y the checkpoint's held-out ``y_key``."""
+    out = []
+    for record in run.checkpoints:
+        x, y = window_mean(run, x_key, record["step"]), finite(record.get(y_key))
+        if record["step"] > 0 and x is not None and y is not None:
+            out.append((x, y))
+    return out
+
+
+def window_mean(run: RunData, key: str, step: int) -> Optional[float]:
+    """The mean of training metric ``key`` over the MATCH_WINDOW rollout steps ending at ``step``."""
+    values = finite_values(r.get(key) for r in run.train if step - MATCH_WINDOW < r["step"] <= step)
+    return float(np.mean(values)) if values else None
+
+
+def matched_difference(mine: List[Tuple[float, float]], other: List[Tuple[float, float]]) -> Optional[float]:
+    """y(mine) - y(other) at the matched level x*: the highest x both curves reached, read off each
+    by linear interpolation along x; None when the ranges of x do not overlap (or a curve has fewer
+    than two checkpoints)."""
+    if len(mine) < 2 or len(other) < 2:
+        return None
+    level = min(max(x for x, _ in mine), max(x for x, _ in other))
+    if level < max(min(x for x, _ in mine), min(x for x, _ in other)):
+        return None
+
+    def at(curve: List[Tuple[float, float]]) -> float:
+        xs, ys = zip(*sorted(curve))
+        return float(np.interp(level, xs, ys))
+    return at(mine) - at(other)
+
+
+def claim_matched(study: Study, claim_id: str, x_key: str, x_name: str, y_key: str,
+                  baselines: Optional[Sequence[str]] = None) -> Claim:
+    """Issue 29: QUATRO's held-out ``y_key`` minus each baseline's at a matched training level
+    (rollout reward or KL-to-reference) rather than at an equal step, paired by seed; the level is
+    the highest both runs of the seed reached (:func:`matched_difference`)."""
+    plan = study.plan
+    curves = {name: {spec.seed: checkpoint_curve(study.runs[spec.name], x_key, y_key)
+                     for spec in plan.runs_of(setting, plan.seeds) if spec.name in study.runs}
+              for name, setting in plan.compare.items()}
+    comparisons = []
+    for name in plan.compare:
+        if name == QUATRO or (baselines is not None and name not in baselines):
+            continue
+        diffs = {s: matched_difference(curves[QUATRO][s], curves[name][s]) for s in curves[QUATRO] if s in curves[name]}
+        diffs = {s: d for s, d in diffs.items() if d is not None}
+        comparisons.append(paired_comparison(name, diffs, {s: 0.0 for s in diffs}))
+    return _claim(study, claim_id, f"QUATRO keeps a higher held-out {y_key} than each baseline at matched {x_name} "
+                  f"(held-out checkpoints every {study.cfg.checkpoints.every} steps, top-p {study.claim_top_p:g})",
+                  comparisons, "", f"per seed, at the highest {x_name} both runs reached (mean over the "
+                  f"{MATCH_WINDOW} rollout steps before a checkpoint), each run's held-out value interpolated there")
 
 
 def claim_logratio(study: Study) -> Claim:
@@ -437,21 +541,31 @@ def claim_advantage_vs_correct(table: Dict[float, Dict[str, List[float]]]) -> Cl
 def evaluate_claims(study: Study, advantages: Dict[float, Dict[str, List[float]]]) -> List[Claim]:
     kmax, p = study.kmax(), study.claim_top_p
     claims: List[Claim] = []
+
+    def per_family(claim_id: str, make: Callable[[str, List[str]], Claim]) -> None:
+        claims.extend(make(family_id, baselines) for family_id, baselines in families(study, claim_id))
+
     if kmax is not None:
-        claims.append(claim_higher_than_baselines(
-            study, "passk_at_kmax", f"QUATRO has higher held-out Pass@k than every baseline (k={kmax}, top-p {p:g})",
-            final_metric(f"pass@{kmax}", p), f"pass@{kmax}"))
-        claims.append(claim_gain_grows_with_k(study, kmax))
-        claims.append(claim_higher_than_baselines(
-            study, "ucc_at_kmax", f"QUATRO finds more unique correct solutions: UCC@{kmax} higher than every "
+        per_family("passk_at_kmax", lambda cid, bl: claim_higher_than_baselines(
+            study, cid, f"QUATRO has higher held-out Pass@k than every baseline (k={kmax}, top-p {p:g})",
+            final_metric(f"pass@{kmax}", p), f"pass@{kmax}", baselines=bl))
+        per_family("passk_gain_grows_with_k", lambda cid, bl: claim_gain_grows_with_k(study, kmax, cid, bl))
+        per_family("ucc_at_kmax", lambda cid, bl: claim_higher_than_baselines(
+            study, cid, f"QUATRO finds more unique correct solutions: UCC@{kmax} higher than every "
             f"baseline (UCR, = UCC@n / n, shown beside it)", final_metric(f"ucc@{kmax}", p), f"ucc@{kmax}",
-            beside=("UCR", final_metric("ucr", p))))
-    claims.append(claim_higher_than_baselines(
-        study, "entropy_final", "QUATRO keeps higher policy entropy at the end of training (Tab. 2): held-out token entropy",
-        final_metric("entropy", p), "held-out token entropy"))
-    claims.append(claim_higher_than_baselines(
-        study, "entropy_stable", "QUATRO's entropy stays stable while baselines' collapse (Fig. 3): "
-        "higher ratio of last to first rollout entropy", entropy_retention, "entropy retention"))
+            beside=("UCR", final_metric("ucr", p)), baselines=bl))
+    per_family("entropy_final", lambda cid, bl: claim_higher_than_baselines(
+        study, cid, "QUATRO keeps higher policy entropy at the end of training (Tab. 2): held-out token entropy",
+        final_metric("entropy", p), "held-out token entropy", baselines=bl))
+    per_family("entropy_stable", lambda cid, bl: claim_higher_than_baselines(
+        study, cid, "QUATRO's entropy stays stable while baselines' collapse (Fig. 3): "
+        "higher ratio of last to first rollout entropy", entropy_retention, "entropy retention", baselines=bl))
+    if study.cfg.checkpoints.every:
+        n = study.cfg.checkpoints.n_samples
+        for x_key, x_name, tag in (("reward/mean", "rollout reward", "reward"), ("policy/kl_ref", "KL-to-reference", "kl")):
+            per_family(f"ucc_matched_{tag}", lambda cid, bl, x_key=x_key, x_name=x_name: claim_matched(
+                study, cid, x_key, x_name, f"ucc@{n}", bl))
+    claims += [claim_at_stress_point(study, point) for point in study.plan.stress]
     plan = study.plan
     claims.append(claim_stability(
         study, "stability_inner_loops", "QUATRO stays stable as inner loops K grow, clipping baselines degrade "
@@ -520,7 +634,9 @@ def comparisons_to_json(comparisons: Sequence[Comparison]) -> List[Dict[str, Any
     out = []
     for c in comparisons:
         test = c.test
+        simultaneous = None if c.simultaneous is None else [b if math.isfinite(b) else None for b in c.simultaneous]
         out.append({"label": c.label, "outcome": c.outcome, "p_adjusted": c.p_adjusted, "detail": c.detail,
+                    "simultaneous_ci": simultaneous, "tost_p_adjusted": c.tost_p_adjusted,
                     **({"mean": test.mean, "ci95": [test.low, test.high], "p_value": test.p_value, "n": test.n,
                         "differences": test.differences} if isinstance(test, PairedTest) else {})})
     return out
@@ -528,5 +644,5 @@ def comparisons_to_json(comparisons: Sequence[Comparison]) -> List[Dict[str, Any
 
 def claims_to_json(claims: Sequence[Claim]) -> List[Dict[str, Any]]:
     return [json.loads(json.dumps({"id": c.id, "statement": c.statement, "verdict": c.verdict, "summary": c.summary,
-                                   "note": c.note, "comparisons": comparisons_to_json(c.comparisons)}, default=float))
+                                   "note": c.note, "margin": c.margin, "comparisons": comparisons_to_json(c.comparisons)}, default=float))
             for c in claims]

@@ -156,6 +156,74 @@ class EvaluationConfig:
                                    f"got {self.sweep_n_samples!r}")
 
 
+STRESS_KEYS = ("inner_loops", "lr_multiplier")
+
+
+def _check_stress_points(key: str, points: Any) -> None:
+    """name -> {inner_loops, lr_multiplier}: the fixed stress settings (adaptive.stress too)."""
+    if not isinstance(points, dict):
+        raise StudyConfigError(f"{key} must map names to settings, got {points!r}")
+    for name, values in points.items():
+        item = f"{key}.{name}"
+        if name == DEFAULT_CONDITION or not isinstance(values, dict) or not values or set(values) - set(STRESS_KEYS):
+            raise StudyConfigError(f"{item} must be a non-empty mapping of inner_loops / lr_multiplier "
+                                   f"(and not named {DEFAULT_CONDITION!r}), got {values!r}")
+        if "inner_loops" in values:
+            _check_positive(f"{item}.inner_loops", [values["inner_loops"]], integer=True)
+        if "lr_multiplier" in values:
+            _check_positive(f"{item}.lr_multiplier", [values["lr_multiplier"]], integer=False)
+
+
+@dataclass
+class StressConfig:
+    """Fixed stress points (issue 29): every method of ``algorithms`` (and every arm) runs at every
+    point over ``seeds``; each point is its own claim, QUATRO against each baseline on the final
+    held-out reward *at that point* (no search, no loss averaged over searched points). ``arms``
+    are extra QUATRO variants (name -> QuatroConfig fields, e.g. ``{lr_control: kl_adaptive}``)
+    tested at each point against the baselines and against QUATRO itself; a field the algorithm
+    config does not have fails when the plan is built, naming the arm."""
+
+    points: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    algorithms: List[str] = field(default_factory=list)
+    seeds: List[int] = field(default_factory=list)
+    arms: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not self.points:
+            if self.algorithms or self.arms:
+                raise StudyConfigError("stress.algorithms / stress.arms need stress.points")
+            return
+        _check_stress_points("stress.points", self.points)
+        _check_algorithms("stress.algorithms", self.algorithms)
+        if QUATRO not in self.algorithms or len(self.algorithms) < 2:
+            raise StudyConfigError(f"stress.algorithms must contain quatro and at least one baseline, got {self.algorithms}")
+        _check_seeds("stress.seeds", self.seeds)
+        if not isinstance(self.arms, dict):
+            raise StudyConfigError(f"stress.arms must map names to QUATRO fields, got {self.arms!r}")
+        for name, fields in self.arms.items():
+            if name in ALGORITHMS or not isinstance(fields, dict) or not fields:
+                raise StudyConfigError(f"stress.arms.{name} must be a non-empty mapping of QUATRO config fields "
+                                       f"(and not an algorithm's name), got {fields!r}")
+
+
+@dataclass
+class CheckpointEvalConfig:
+    """Held-out evaluations during training (issue 29), for comparisons at matched rollout reward
+    and matched KL-to-reference: the loop's own evaluation every ``every`` rollout steps (and at
+    step 0) on the study's ``evaluation.num_problems`` problems x ``n_samples`` at the claims'
+    top-p. 0: off."""
+
+    every: int = 0
+    n_samples: int = 32
+
+    def validate(self) -> None:
+        for key in ("every", "n_samples"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "every" else 1):
+                raise StudyConfigError(f"checkpoints.{key} must be an integer >= {0 if key == 'every' else 1}, "
+                                       f"got {value!r}")
+
+
 @dataclass
 class StudyConfig:
     name: str = "study"
@@ -176,6 +244,14 @@ class StudyConfig:
     plateau_tolerance: float = 0.02
     time_budget_minutes: float = 150.0           # the target wall time, checked and reported
     adaptive: Any = None                         # kind adaptive: AdaptiveStudyConfig
+    # Pre-registration (issue 29), all stated before any run:
+    claim_top_p: Any = None                      # the top-p the held-out claims are decided at (None: evaluation.top_p[0])
+    primary_baselines: List[str] = field(default_factory=list)   # the primary family (rest: secondary); [] = one family
+    equivalence_margins: Dict[str, float] = field(default_factory=dict)   # claim id -> TOST margin (metric units)
+    power_effect_sd: float = 2.0                 # the effect the design is sized for (sd of a paired difference)
+    power_target: float = 0.8                    # ... and the power it needs (stats.paired_power; reported)
+    stress: StressConfig = field(default_factory=StressConfig)
+    checkpoints: CheckpointEvalConfig = field(default_factory=CheckpointEvalConfig)
 
     def validate(self) -> None:
         _check_algorithms("algorithms", self.algorithms)
@@ -205,6 +281,31 @@ class StudyConfig:
             raise StudyConfigError("an adaptive section needs kind: adaptive, and kind: adaptive an adaptive section")
         if self.adaptive is not None:
             self.adaptive.validate()
+        self.stress.validate()
+        self.checkpoints.validate()
+        self._validate_preregistration()
+
+    def _validate_preregistration(self) -> None:
+        if self.claim_top_p is not None and (isinstance(self.claim_top_p, bool)
+                                             or self.claim_top_p not in self.evaluation.top_p):
+            raise StudyConfigError(f"claim_top_p must be one of evaluation.top_p {self.evaluation.top_p}, "
+                                   f"got {self.claim_top_p!r}")
+        stray = [b for b in self.primary_baselines if b == QUATRO or b not in self.algorithms]
+        if stray or len(set(self.primary_baselines)) != len(self.primary_baselines):
+            raise StudyConfigError(f"primary_baselines must be distinct baselines of algorithms {self.algorithms}, "
+                                   f"got {self.primary_baselines}")
+        if not isinstance(self.equivalence_margins, dict):
+            raise StudyConfigError(f"equivalence_margins must map claim ids to margins, got {self.equivalence_margins!r}")
+        for claim_id, margin in self.equivalence_margins.items():
+            _check_positive(f"equivalence_margins.{claim_id}", [margin], integer=False)
+        _check_positive("power_effect_sd", [self.power_effect_sd], integer=False)
+        if not 0.0 < self.power_target < 1.0:
+            raise StudyConfigError(f"power_target must be in (0, 1), got {self.power_target}")
+
+    @property
+    def decision_top_p(self) -> float:
+        """The top-p the held-out claims are decided at, stated in advance (``claim_top_p``)."""
+        return float(self.evaluation.top_p[0] if self.claim_top_p is None else self.claim_top_p)
 
 
 STUDY_KINDS = ("paper", "adaptive")
@@ -212,7 +313,7 @@ STUDY_KINDS = ("paper", "adaptive")
 
 def _nested() -> Dict[str, type]:
     return {"sweeps": SweepConfig, "ablation": AblationConfig, "deltas": DeltaConfig, "evaluation": EvaluationConfig,
-            "adaptive": AdaptiveStudyConfig}
+            "adaptive": AdaptiveStudyConfig, "stress": StressConfig, "checkpoints": CheckpointEvalConfig}
 
 
 def _build(cls: type, values: Dict[str, Any], prefix: str) -> Any:
@@ -294,18 +395,7 @@ class AdaptiveStudyConfig:
                 raise StudyConfigError(f"{key}: {exc}") from exc
             if not config.adaptive_delta:
                 raise StudyConfigError(f"{key} turns no adaptive radius on (delta_controller or delta_per_query)")
-        if not isinstance(self.stress, dict):
-            raise StudyConfigError(f"adaptive.stress must map names to settings, got {self.stress!r}")
-        for name, values in self.stress.items():
-            key = f"adaptive.stress.{name}"
-            if name == DEFAULT_CONDITION or not isinstance(values, dict) or not values \
-                    or set(values) - {"inner_loops", "lr_multiplier"}:
-                raise StudyConfigError(f"{key} must be a non-empty mapping of inner_loops / lr_multiplier "
-                                       f"(and not named {DEFAULT_CONDITION!r}), got {values!r}")
-            if "inner_loops" in values:
-                _check_positive(f"{key}.inner_loops", [values["inner_loops"]], integer=True)
-            if "lr_multiplier" in values:
-                _check_positive(f"{key}.lr_multiplier", [values["lr_multiplier"]], integer=False)
+        _check_stress_points("adaptive.stress", self.stress)
         _check_seeds("adaptive.seeds", self.seeds)
         if not 0.0 < self.tolerance <= 1.0:
             raise StudyConfigError(f"adaptive.tolerance must be in (0, 1], got {self.tolerance}")

@@ -77,7 +77,8 @@ def archive_runs(run_dirs: Dict[str, str], study_dir: str) -> int:
                  else _loop_evaluation(directory))
         if not evals:
             continue
-        train = [r for r in read_metrics(os.path.join(directory, "metrics.jsonl")) if r["kind"] == "train"]
+        # training records, and the loop's held-out checkpoints (study config ``checkpoints``)
+        train = [r for r in read_metrics(os.path.join(directory, "metrics.jsonl")) if r["kind"] in ("train", "eval")]
         write_archive(archive_path(study_dir, name), train + evals)
         kept += 1
     return kept

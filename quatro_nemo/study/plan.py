@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from quatro_nemo.engine.config import load_config
-from quatro_nemo.study.config import QUATRO, StudyConfig
+from quatro_nemo.study.config import QUATRO, StudyConfig, StudyConfigError
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,21 @@ class Defaults:
 STUDY_TRAIN_OVERRIDES = ("eval.num_problems=0",)
 
 
+def checkpoint_eval_overrides(cfg: StudyConfig) -> List[str]:
+    """The loop's own held-out evaluation every ``checkpoints.every`` steps (and at step 0) on the
+    study's problems at the claims' top-p (issue 29: comparisons at matched reward and KL); none
+    when off, so a study without checkpoints composes its runs exactly as before."""
+    ck = cfg.checkpoints
+    if not ck.every:
+        return list(STUDY_TRAIN_OVERRIDES)
+    return [f"eval.num_problems={cfg.evaluation.num_problems}", f"eval.n_samples={ck.n_samples}",
+            f"eval.top_p={cfg.decision_top_p!r}", f"eval.temperature={float(cfg.evaluation.temperature)!r}",
+            f"trainer.eval_every={ck.every}"]
+
+
 def train_args(cfg: StudyConfig) -> List[str]:
     """The arguments every run shares: the primary training config and the study-wide overrides."""
-    return [f"config={cfg.train_config}", *cfg.train_overrides, *STUDY_TRAIN_OVERRIDES]
+    return [f"config={cfg.train_config}", *cfg.train_overrides, *checkpoint_eval_overrides(cfg)]
 
 
 def read_defaults(cfg: StudyConfig, algorithms: Sequence[str]) -> Defaults:
@@ -109,6 +121,8 @@ class StudyPlan:
     deltas: Dict[float, Setting]                   # delta -> setting
     delta_seeds: List[int]
     adaptive: Optional[Any] = None                 # an adaptive-delta study's part (study/adaptive.py)
+    stress: Dict[str, Dict[str, Setting]] = dataclasses.field(default_factory=dict)  # point -> method or arm -> setting
+    stress_seeds: List[int] = dataclasses.field(default_factory=list)
 
     def runs_of(self, setting: Setting, seeds: Sequence[int]) -> List[RunSpec]:
         return [self.runs[RunSpec(setting, s, ()).name] for s in seeds]
@@ -161,7 +175,7 @@ def build_paper_plan(cfg: StudyConfig, reward_of: Optional[RewardOf] = None,
     method's next K or multiplier only once the one before it has held. Without ``reward_of`` (a
     SLURM sweep, which runs every run at once), the whole grids. ``defaults``: :func:`read_defaults`'
     result, when known. ``unknown_holds``: see :func:`searched_points`."""
-    algorithms = sorted(set(cfg.algorithms) | set(cfg.sweeps.algorithms))
+    algorithms = sorted(set(cfg.algorithms) | set(cfg.sweeps.algorithms) | set(cfg.stress.algorithms) | {QUATRO})
     defaults = defaults or read_defaults(cfg, algorithms)
     runs: Dict[str, RunSpec] = {}
 
@@ -199,8 +213,25 @@ def build_paper_plan(cfg: StudyConfig, reward_of: Optional[RewardOf] = None,
     ablation = {g: add(make_setting(defaults, QUATRO, inner_loops=ab.inner_loops, delta=ab.delta, log_ratio=g),
                        ab.seeds) for g in ab.log_ratios}
     deltas = {d: add(make_setting(defaults, QUATRO, delta=d), cfg.deltas.seeds) for d in cfg.deltas.values}
+    stress = {point: {name: add(setting, cfg.stress.seeds) for name, setting in stress_settings(cfg, defaults, values).items()}
+              for point, values in cfg.stress.points.items()}
     return StudyPlan(defaults, runs, compare, list(cfg.seeds), sweep_inner, sweep_lr, list(sw.seeds),
-                     ablation, list(ab.seeds), deltas, list(cfg.deltas.seeds))
+                     ablation, list(ab.seeds), deltas, list(cfg.deltas.seeds), stress=stress,
+                     stress_seeds=list(cfg.stress.seeds))
+
+
+def stress_settings(cfg: StudyConfig, defaults: Defaults, point: Dict[str, Any]) -> Dict[str, Setting]:
+    """One stress point's settings: every ``stress.algorithms`` method at its defaults, and every
+    QUATRO arm (``stress.arms``), at the point's K and lr multiplier. An arm field that QUATRO's
+    config does not have (e.g. ``lr_control`` before the loop has it) fails here, naming the arm."""
+    where = dict(inner_loops=point.get("inner_loops"), lr_multiplier=point.get("lr_multiplier", 1.0))
+    out = {a: make_setting(defaults, a, **where) for a in cfg.stress.algorithms}
+    for arm, fields in cfg.stress.arms.items():
+        try:
+            out[arm] = make_setting(defaults, QUATRO, **where, **fields)
+        except ValueError as exc:
+            raise StudyConfigError(f"stress.arms.{arm}: {exc}") from exc
+    return out
 
 
 def sweep_line(cfg: StudyConfig, spec: RunSpec) -> str:

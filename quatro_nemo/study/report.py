@@ -6,8 +6,9 @@ same metrics writes the same report.md and report.json byte for byte.
 from __future__ import annotations
 
 import json
+import math
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -16,8 +17,8 @@ from quatro_nemo.eval.tables import markdown_table as _table
 from quatro_nemo.eval.tables import to_jsonable
 from quatro_nemo.study.analysis import (Claim, Stat, Study, breaking_points, claims_to_json, entropy_retention,
                                         final_metric, identical_methods, ks_of, mean_over_training, peak_over_training,
-                                        plateau)
-from quatro_nemo.study.stats import PairedTest
+                                        plateau, window_mean)
+from quatro_nemo.study.stats import PairedTest, paired_power, seeds_for_power
 
 
 def _fmt(s: Optional[Stat], digits: int = 3) -> str:
@@ -29,6 +30,13 @@ def _fmt(s: Optional[Stat], digits: int = 3) -> str:
 
 def _value(x: Any, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _interval(bounds: Optional[Tuple[float, float]]) -> str:
+    """A simultaneous interval (stats.simultaneous_intervals); an infinite end as -inf / +inf."""
+    if bounds is None:
+        return "-"
+    return "[" + ", ".join(f"{b:+.4f}" if math.isfinite(b) else ("+inf" if b > 0 else "-inf") for b in bounds) + "]"
 
 
 def _tp(top_p: float) -> str:
@@ -226,13 +234,68 @@ def _claim_lines(claims: Sequence[Claim]) -> List[str]:
             t = x.test
             detail = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in x.detail.items())
             if isinstance(t, PairedTest):
-                rows.append([x.label, f"{t.mean:+.4f}", f"[{t.low:+.4f}, {t.high:+.4f}]", f"{t.p_value:.3g}",
-                             f"{x.p_adjusted:.3g}", x.outcome, detail])
+                rows.append([x.label, f"{t.mean:+.4f}", f"[{t.low:+.4f}, {t.high:+.4f}]", _interval(x.simultaneous),
+                             f"{t.p_value:.3g}", f"{x.p_adjusted:.3g}", _value(x.tost_p_adjusted, 3), x.outcome, detail])
             else:
-                rows.append([x.label, "-", "-", "-", "-", x.outcome, detail])
-        lines += _table(["vs / effect", "mean difference (> 0 supports)", "95% CI (paired t)", "p", "Holm p",
-                         "outcome", "details"], rows)
+                rows.append([x.label, "-", "-", "-", "-", "-", "-", x.outcome, detail])
+        header = ["vs / effect", "mean difference (> 0 supports)", "95% CI (paired t)",
+                  "simultaneous 95% CI (Holm-compatible)", "p", "Holm p"]
+        lines += _table(header + [f"TOST Holm p (margin ±{c.margin:g})" if c.margin else "TOST", "outcome", "details"],
+                        rows)
     return lines
+
+
+def power_lines(cfg, claims: Sequence[Claim]) -> List[str]:
+    """The design's power, claim by claim (stats.paired_power): each family's size m and paired
+    seeds n, the power of Holm's first step against a ``power_effect_sd`` effect, and the seeds
+    ``power_target`` needs (stats.seeds_for_power)."""
+    rows = []
+    for c in claims:
+        tests = [x.test for x in c.comparisons if isinstance(x.test, PairedTest)]
+        if not tests:
+            continue
+        m, n = len(c.comparisons), min(t.n for t in tests)
+        rows.append([c.id, str(m), str(n), f"{paired_power(cfg.power_effect_sd, n, m, cfg.alpha):.2f}",
+                     str(seeds_for_power(cfg.power_effect_sd, m, cfg.alpha, cfg.power_target)),
+                     "-" if c.margin is None else f"±{c.margin:g}"])
+    if not rows:
+        return []
+    return [f"**Power.** A paired t test over n seeds, Holm over a family of m, first step at alpha / m = "
+            f"{cfg.alpha:g} / m, against a true effect of {cfg.power_effect_sd:g} standard deviations of the per-seed "
+            f"difference (noncentral t; a lower bound for the family's other steps); the seeds it needs for power "
+            f"{cfg.power_target:g}; and the claim's equivalence margin (TOST), stated before the runs.", ""] + _table(
+        ["claim", "family m", "paired seeds n", f"power at {cfg.power_effect_sd:g} sd",
+         f"seeds for power {cfg.power_target:g}", "TOST margin"], rows)
+
+
+def checkpoint_lines(study: Study) -> List[str]:
+    """Held-out checkpoints during training (study config ``checkpoints``): per method and step,
+    the rollout reward and KL-to-reference (means over the MATCH_WINDOW steps before it) and the
+    held-out UCC@n and pass@n, means over seeds: equal steps, beside the matched-level claims."""
+    ck = study.cfg.checkpoints
+    if not ck.every:
+        return []
+    n, rows = ck.n_samples, []
+    for name, setting in study.plan.compare.items():
+        runs = study.group(setting, study.plan.seeds)
+        steps = sorted({r["step"] for run in runs for r in run.checkpoints if r["step"] > 0})
+        for step in steps:
+            values: Dict[str, List[float]] = {key: [] for key in ("reward", "kl", "ucc", "pass")}
+            for run in runs:
+                record = next((r for r in run.checkpoints if r["step"] == step), {})
+                for key, value in (("reward", window_mean(run, "reward/mean", step)),
+                                   ("kl", window_mean(run, "policy/kl_ref", step)),
+                                   ("ucc", record.get(f"ucc@{n}")), ("pass", record.get(f"pass@{n}"))):
+                    if value is not None:
+                        values[key].append(float(value))
+            rows.append([name, str(step), str(len(runs))] + [_value(float(np.mean(v)) if v else None, 4)
+                                                             for v in values.values()])
+    if not rows:
+        return []
+    return [f"Held-out checkpoints every {ck.every} steps ({study.cfg.evaluation.num_problems} problems x {n} samples, "
+            f"{_tp(study.claim_top_p)}), means over seeds; the claims `ucc_matched_reward` / `ucc_matched_kl` compare "
+            f"methods at the same rollout reward / KL-to-reference instead of the same step:", ""] + _table(
+        ["method", "step", "seeds", "rollout reward", "KL-to-reference", f"held-out ucc@{n}", f"held-out pass@{n}"], rows)
 
 
 def _testbed_lines(study: Study) -> List[str]:
@@ -353,7 +416,11 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
               "seeds (95% interval), its two-sided p-value Holm-corrected over the comparisons of its claim; "
               f"significant at Holm p < {cfg.alpha:g}. Verdicts: REPRODUCED (significant for the claim against every "
               "baseline), PARTLY (against some, significantly opposed by none), NOT REPRODUCED (a significant effect "
-              "in the opposite direction), INCONCLUSIVE (no significant difference), NOT TESTED (runs missing). "
+              "in the opposite direction), EQUIVALENT (for a claim with a stated margin: no significant difference and "
+              "every comparison inside the margin by two one-sided tests, Holm-adjusted), INCONCLUSIVE (no significant "
+              "difference: the intervals are wide), NOT TESTED (runs missing). Beside each 95% interval, the family's "
+              "simultaneous 95% interval, compatible with Holm (Strassburger & Bretz 2008: a comparison Holm rejects "
+              "gets the half-line on its side of 0 unless the whole family is rejected). "
               "Tables show mean ± std over seeds.", ""]
     convergence = plateau(study)
     if convergence:
@@ -363,7 +430,7 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
                   f"over seeds): {convergence['last_quarter_change']:+.4f}, "
                   + ("plateaued." if convergence["plateaued"] else "NOT plateaued: longer runs may change the picture.")
                   , ""]
-    lines += ["## Claims", ""] + _claim_lines(claims)
+    lines += ["## Claims", ""] + _claim_lines(claims) + power_lines(cfg, claims)
     lines += _testbed_lines(study)
     lines += ["## 1-3. Main comparison (default settings)", ""]
     twins = identical_methods(study)
@@ -377,6 +444,7 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
     for top_p in study.top_ps:
         lines += [f"Held-out Pass@k, {_tp(top_p)}:", ""] + _at_k_table(study, plan.compare, plan.seeds, "pass@", top_p)
         lines += [f"Held-out UCC@k, {_tp(top_p)}:", ""] + _at_k_table(study, plan.compare, plan.seeds, "ucc@", top_p)
+    lines += checkpoint_lines(study)
     for key in ("pass_at_k", "ucc_at_k", "frontier", "training"):
         if key in figures:
             lines += [f"![{key}]({figures[key]})", ""]

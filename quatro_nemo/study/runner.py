@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from quatro_nemo.megatron.parallel import standalone_environment
 from quatro_nemo.study.evaluation import STUDY_EVAL
+from quatro_nemo.study.config import StudyConfigError
 from quatro_nemo.study.plan import RunSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,6 +68,55 @@ def prewarm(base_args: Sequence[str]) -> None:
         return   # other tasks load a pretrained checkpoint: nothing to build
     task = build_task(cfg)
     task.load_base_state(task.model_config(cfg.model))
+
+
+IDENTITY_FILE = "study_run.json"     # <run dir>/study_run.json: the command the run was started with
+
+
+class RunIdentityError(StudyConfigError):
+    """A run directory was started with other settings than the study's run of that name."""
+
+
+def run_identity(spec: RunSpec, base_args: Sequence[str], evaluation_args: Optional[EvaluationArgs]) -> List[str]:
+    """What a run is: its command line (training and evaluation arguments) without its directory.
+    Run names only carry the settings that differ from the defaults, so a study config change
+    (more problems, checkpoint evaluations, other study-wide overrides) keeps the names; this is
+    what tells the runs apart."""
+    return [a for a in command_of(spec, "", base_args, evaluation_args) if not a.startswith("run.dir=")]
+
+
+def _logged_command(directory: str) -> Optional[List[str]]:
+    """The command on the first line of a run's train.log (runs started before study_run.json
+    existed), without the interpreter and the run directory; None if there is none."""
+    path = os.path.join(directory, "train.log")
+    if not os.path.isfile(path):
+        return None
+    with open(path, errors="replace") as f:
+        first = f.readline(1 << 16)
+    if not first.startswith("$ "):
+        return None
+    words = first[2:].split("  (forked", 1)[0].split()[1:]
+    return [w for w in words if not w.startswith("run.dir=")]
+
+
+def check_identity(directory: str, identity: List[str]) -> None:
+    """Record a run's identity when it starts; a directory already started with another identity
+    is an error naming both (never silently reused, never silently redone)."""
+    path = os.path.join(directory, IDENTITY_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            recorded = json.load(f).get("command")
+    else:
+        recorded = _logged_command(directory)
+    if recorded is not None and recorded != identity:
+        changed = sorted(set(recorded) ^ set(identity))
+        raise RunIdentityError(f"run directory {directory} was started with other settings than this study's run "
+                               f"of that name (differing arguments: {changed}); use another study directory (out=) "
+                               "or delete that run directory")
+    if not os.path.isfile(path):
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"command": identity}, f, indent=1)
 
 
 def command_of(spec: RunSpec, directory: str, base_args: Sequence[str],
@@ -178,12 +228,19 @@ def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], w
     results: List[RunResult] = []
     pending: List[RunSpec] = []
     evaluated = evaluation_args is not None
+
+    def identify(spec: RunSpec) -> None:
+        directory = run_dir(study_dir, spec.name)
+        if os.path.isdir(directory):
+            check_identity(directory, run_identity(spec, base_args, evaluation_args))
+
     for spec in runs:
+        identify(spec)
         if is_done(run_dir(study_dir, spec.name), evaluated):
             results.append(RunResult(spec.name, "skipped"))
         else:
             pending.append(spec)
-    queue = _Queue(pending, {spec.name for spec in runs}, refill, study_dir, evaluated)
+    queue = _Queue(pending, {spec.name for spec in runs}, refill, study_dir, evaluated, identify)
     queue.refill()
     if not queue.pending:
         return results
@@ -224,6 +281,7 @@ class _Queue:
     source: Optional[Callable[[], Sequence[RunSpec]]]
     study_dir: str
     evaluated: bool
+    identify: Callable[[RunSpec], None]          # check_identity of a run that has a directory
     started: int = 0
 
     def refill(self) -> None:
@@ -231,6 +289,8 @@ class _Queue:
             return
         new = [spec for spec in self.source() if spec.name not in self.known]
         self.known.update(spec.name for spec in new)
+        for spec in new:
+            self.identify(spec)
         self.pending[:0] = [spec for spec in new if not is_done(run_dir(self.study_dir, spec.name), self.evaluated)]
 
     def pop(self) -> RunSpec:
@@ -266,7 +326,7 @@ def _loop(server: ForkServer, queue: _Queue, started: Dict[str, float], results,
         while queue.pending and len(started) < workers:
             spec = queue.pop()
             directory = run_dir(study_dir, spec.name)
-            os.makedirs(directory, exist_ok=True)
+            check_identity(directory, run_identity(spec, base_args, evaluation_args))
             command = command_of(spec, directory, base_args, evaluation_args)
             log_path = os.path.join(directory, "train.log")
             with open(log_path, "a") as handle:

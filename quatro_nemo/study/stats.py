@@ -28,22 +28,48 @@ Verdicts of a claim from its comparisons (significant = Holm-adjusted p < alpha)
     REPRODUCED      every comparison significant in the claimed direction
     PARTLY          some significant in the claimed direction, none in the opposite one
     NOT REPRODUCED  at least one significant in the opposite direction
-    INCONCLUSIVE    no significant difference
+    EQUIVALENT      no significant difference, and every comparison equivalent within the claim's
+                    stated margin (TOST, below; only for a claim that states a margin)
+    INCONCLUSIVE    no significant difference (and not shown equivalent: the interval is wide)
     NOT TESTED      fewer than two paired seeds for every comparison (or runs missing)
+
+Equivalence: **two one-sided tests** (TOST; Schuirmann 1987, "A comparison of the two one-sided
+tests procedure and the power approach for assessing the equivalence of average
+bioavailability"; Wellek, *Testing Statistical Hypotheses of Equivalence*, Ch. 2) with a margin
+``m`` stated before the runs: H0 ``|mu| >= m`` is rejected when both one-sided paired t tests
+reject, ``p_tost = max(P(T >= (mean + m)/se), P(T <= (mean - m)/se))`` (n - 1 degrees of
+freedom), equivalently when the ``1 - 2 alpha`` interval lies inside ``(-m, m)``. The family's
+TOST p-values are Holm-adjusted like the difference tests'.
+
+Simultaneous intervals (:func:`simultaneous_intervals`): the Holm-compatible confidence
+intervals of Strassburger & Bretz (2008, "Compatible simultaneous lower confidence bounds for the
+Holm procedure and other Bonferroni-based closed tests", Stat. Med. 27), applied to each
+direction: with R the comparisons Holm rejects in a family of m, a comparison not in R gets the
+t interval at level ``1 - alpha / (m - |R|)``; one in R gets the half-line on its side of 0 when
+R is not the whole family, and the Bonferroni interval ``1 - alpha / m`` cut at 0 when it is.
+They cover every mean difference at once with probability >= 1 - alpha, and each lies on one side
+of 0 (0 at most an endpoint) exactly when Holm rejects it: a comparison Holm keeps has
+p >= alpha / (m - |R|), so its interval at that level contains 0.
+
+Power (:func:`paired_power`, :func:`seeds_for_power`): a paired t test over n seeds of an effect
+of ``effect_sd`` standard deviations of the per-seed difference has statistic
+``T ~ noncentral t(n - 1, effect_sd * sqrt(n))``; under Holm over a family of m the first step
+tests at ``alpha / m`` (a lower bound on the power of any comparison of the family: later steps
+test at larger levels), so ``power = P(|T| > t_{1 - alpha / (2m), n - 1})``.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import stats as scipy_stats
 
-REPRODUCED, PARTLY, NOT_REPRODUCED, INCONCLUSIVE, NOT_TESTED = (
-    "REPRODUCED", "PARTLY", "NOT REPRODUCED", "INCONCLUSIVE", "NOT TESTED")
-VERDICTS = (REPRODUCED, PARTLY, NOT_REPRODUCED, INCONCLUSIVE, NOT_TESTED)
-SUPPORTS, OPPOSES, NOT_SIGNIFICANT = "supports", "opposes", "not significant"
+REPRODUCED, PARTLY, NOT_REPRODUCED, EQUIVALENT, INCONCLUSIVE, NOT_TESTED = (
+    "REPRODUCED", "PARTLY", "NOT REPRODUCED", "EQUIVALENT", "INCONCLUSIVE", "NOT TESTED")
+VERDICTS = (REPRODUCED, PARTLY, NOT_REPRODUCED, EQUIVALENT, INCONCLUSIVE, NOT_TESTED)
+SUPPORTS, OPPOSES, NOT_SIGNIFICANT, WITHIN_MARGIN = "supports", "opposes", "not significant", "equivalent"
 
 
 @dataclass
@@ -74,10 +100,76 @@ def paired_t(differences: Sequence[float], confidence: float = 0.95) -> Optional
     se = float(d.std(ddof=1)) / math.sqrt(n)
     if se == 0.0:
         return PairedTest(mean, mean, mean, 1.0, n, d.tolist())
-    t = mean / se
-    half = float(scipy_stats.t.ppf(0.5 + confidence / 2.0, n - 1)) * se
-    p = float(2.0 * scipy_stats.t.sf(abs(t), n - 1))
-    return PairedTest(mean, mean - half, mean + half, p, n, d.tolist())
+    p = float(2.0 * scipy_stats.t.sf(abs(mean / se), n - 1))
+    return PairedTest(mean, *t_interval(d, confidence), p, n, d.tolist())
+
+
+def tost(differences: Sequence[float], margin: float) -> Optional[float]:
+    """Two one-sided paired t tests of H0 |mean| >= margin (module docstring): their larger
+    p-value; None for fewer than 2 seeds. With zero spread nothing is known (p = 1), as in
+    :func:`paired_t`."""
+    if not margin > 0:
+        raise ValueError(f"an equivalence margin must be > 0, got {margin}")
+    d = np.asarray([float(x) for x in differences], dtype=np.float64)
+    n = d.size
+    if n < 2:
+        return None
+    se = float(d.std(ddof=1)) / math.sqrt(n)
+    if se == 0.0:
+        return 1.0
+    mean = float(d.mean())
+    above = float(scipy_stats.t.sf((mean + margin) / se, n - 1))    # H0 mean <= -margin
+    below = float(scipy_stats.t.cdf((mean - margin) / se, n - 1))   # H0 mean >= +margin
+    return max(above, below)
+
+
+def t_interval(differences: Sequence[float], confidence: float) -> Tuple[float, float]:
+    """The two-sided t interval of the mean of ``differences`` (at least two) at ``confidence``."""
+    d = np.asarray([float(x) for x in differences], dtype=np.float64)
+    mean, se = float(d.mean()), float(d.std(ddof=1)) / math.sqrt(d.size)
+    half = float(scipy_stats.t.ppf(0.5 + confidence / 2.0, d.size - 1)) * se
+    return mean - half, mean + half
+
+
+def simultaneous_intervals(tests: Sequence[PairedTest], rejected: Sequence[bool],
+                           alpha: float) -> List[Tuple[float, float]]:
+    """Holm-compatible simultaneous intervals (Strassburger & Bretz 2008; module docstring) of a
+    family's mean differences, given which comparisons Holm rejected at ``alpha``."""
+    m, r = len(tests), sum(bool(x) for x in rejected)
+    out = []
+    for test, rej in zip(tests, rejected):
+        if test.low == test.high and not rej:     # no spread: unknown, as in paired_t (p = 1)
+            out.append((-math.inf, math.inf))
+        elif not rej:
+            out.append(t_interval(test.differences, 1.0 - alpha / (m - r)))
+        elif r < m:
+            out.append((0.0, math.inf) if test.mean > 0 else (-math.inf, 0.0))
+        else:
+            low, high = t_interval(test.differences, 1.0 - alpha / m)
+            out.append((max(0.0, low), high) if test.mean > 0 else (low, min(0.0, high)))
+    return out
+
+
+def paired_power(effect_sd: float, n: int, family_size: int = 1, alpha: float = 0.05) -> float:
+    """Power of a two-sided paired t test over ``n`` seeds at level ``alpha / family_size`` (Holm's
+    first step) against a mean difference of ``effect_sd`` standard deviations of the per-seed
+    difference (module docstring)."""
+    if n < 2:
+        return 0.0
+    df, noncentrality = n - 1, effect_sd * math.sqrt(n)
+    critical = float(scipy_stats.t.ppf(1.0 - alpha / (2.0 * family_size), df))
+    # P(T < -c) written as the upper tail of -T ~ nct(df, -nc): scipy's nct.cdf far in the lower
+    # tail returns nan (e.g. df 15, nc 8)
+    return float(scipy_stats.nct.sf(critical, df, noncentrality) + scipy_stats.nct.sf(critical, df, -noncentrality))
+
+
+def seeds_for_power(effect_sd: float, family_size: int = 1, alpha: float = 0.05, power: float = 0.8,
+                    most: int = 1000) -> int:
+    """The fewest paired seeds whose :func:`paired_power` reaches ``power``."""
+    for n in range(2, most + 1):
+        if paired_power(effect_sd, n, family_size, alpha) >= power:
+            return n
+    raise ValueError(f"no n <= {most} reaches power {power} at {effect_sd} sd (family {family_size})")
 
 
 def paired_differences(better: Mapping[int, float], other: Mapping[int, float]) -> List[float]:
@@ -112,10 +204,15 @@ class Comparison:
     p_adjusted: Optional[float] = None
     outcome: str = NOT_SIGNIFICANT
     detail: Dict[str, Any] = field(default_factory=dict)
+    tost_p_adjusted: Optional[float] = None      # Holm-adjusted TOST p (a claim with a margin)
+    simultaneous: Optional[Tuple[float, float]] = None   # the family's simultaneous interval
 
 
-def decide(comparisons: Sequence[Comparison], alpha: float) -> str:
-    """Holm-adjust the family's p-values in place, set each outcome, and return the verdict."""
+def decide(comparisons: Sequence[Comparison], alpha: float, margin: Optional[float] = None) -> str:
+    """Holm-adjust the family's p-values in place, set each outcome and simultaneous interval, and
+    return the verdict. With ``margin``, a comparison without a significant difference whose
+    Holm-adjusted TOST p is below ``alpha`` is ``equivalent``; the claim is EQUIVALENT when every
+    comparison is."""
     tested = [c for c in comparisons if c.test is not None]
     if not tested:
         return NOT_TESTED
@@ -125,6 +222,14 @@ def decide(comparisons: Sequence[Comparison], alpha: float) -> str:
             c.outcome = SUPPORTS if c.test.mean > 0 else OPPOSES
         else:
             c.outcome = NOT_SIGNIFICANT
+    intervals = simultaneous_intervals([c.test for c in tested], [c.p_adjusted < alpha for c in tested], alpha)
+    for c, interval in zip(tested, intervals):
+        c.simultaneous = interval
+    if margin is not None:
+        for c, p in zip(tested, holm_adjust([tost(c.test.differences, margin) for c in tested])):
+            c.tost_p_adjusted = p
+            if c.outcome == NOT_SIGNIFICANT and p < alpha:
+                c.outcome = WITHIN_MARGIN
     supports = sum(c.outcome == SUPPORTS for c in tested)
     opposes = sum(c.outcome == OPPOSES for c in tested)
     if opposes:
@@ -133,6 +238,8 @@ def decide(comparisons: Sequence[Comparison], alpha: float) -> str:
         return REPRODUCED
     if supports:
         return PARTLY
+    if sum(c.outcome == WITHIN_MARGIN for c in tested) == len(comparisons):
+        return EQUIVALENT
     return INCONCLUSIVE
 
 

@@ -17,7 +17,10 @@ settings (steps, K, mini-batches, evaluation kind) and divided over its ``worker
 model's evaluation, which runs alone. The timings carry the machine and the contention of the
 measured study, so measure with the same ``workers`` on the machine the study will run on. A
 study that searches its sweeps (``sweeps.search``) is costed with the runs the search would add
-given the measured study's results, and every point those results cannot decide.
+given the measured study's results, and every point those results cannot decide. The held-out
+checkpoints during training (``checkpoints``) are costed as evaluations of their samples.
+``recipes/study.py estimate=true`` measures on the committed full study
+(``docs/study_results/full``, 152 runs timed on this 2-core machine).
 """
 from __future__ import annotations
 
@@ -69,6 +72,9 @@ def measured_costs(timed_dir: str) -> Dict[str, float]:
             "eval_s": c, "eval_s_per_sample": r, "runs_measured": len(seconds)}
 
 
+COMMITTED_TIMINGS = "docs/study_results/full"     # estimate=true: the committed full study's timings
+
+
 def estimate_minutes(cfg: StudyConfig, timed_dir: str) -> Dict[str, Any]:
     """Estimated wall minutes of the study `cfg` from the timings of the finished study in `timed_dir`."""
     costs = measured_costs(timed_dir)
@@ -80,18 +86,23 @@ def estimate_minutes(cfg: StudyConfig, timed_dir: str) -> Dict[str, Any]:
     full_samples = ev.num_problems * ev.n_samples * len(ev.top_p)
     light_samples = ev.num_problems * ev.sweep_n_samples if ev.sweep_n_samples else full_samples
     total_s, by_k = 0.0, {}
+    # the loop's held-out checkpoints (study config ``checkpoints``): at step 0 and every `every` steps
+    ck = cfg.checkpoints
+    evaluations = (trainer.steps // ck.every + 1) if ck.every else 0
+    checkpoint_s = evaluations * (costs["eval_s"] + costs["eval_s_per_sample"] * ev.num_problems * ck.n_samples)
     for spec in plan.runs.values():
         optimizer_steps = spec.setting.inner_loops * minis
         train_s = costs["train_overhead_s"] + trainer.steps * (costs["step_s"] + costs["step_s_per_optimizer_step"]
                                                               * optimizer_steps)
         samples = full_samples if plan.needs_full_evaluation(spec) else light_samples
-        run_s = train_s + costs["eval_s"] + costs["eval_s_per_sample"] * samples
+        run_s = train_s + costs["eval_s"] + costs["eval_s_per_sample"] * samples + checkpoint_s
         total_s += run_s
         by_k.setdefault(spec.setting.inner_loops, []).append(run_s)
     base_s = costs["eval_s"] + costs["eval_s_per_sample"] * full_samples
     minutes = (total_s / cfg.workers + base_s) / 60.0
     return {"study": cfg.name, "runs": len(plan.runs), "steps_per_run": trainer.steps, "workers": cfg.workers,
             "estimated_minutes": round(minutes, 1), "budget_minutes": cfg.time_budget_minutes,
+            "cpu_hours": round((total_s + base_s) / 3600.0, 1),     # each run one single-threaded process
             "fits_budget": minutes <= cfg.time_budget_minutes,
             "mean_run_minutes_by_inner_loops": {k: round(float(np.mean(v)) / 60.0, 2) for k, v in sorted(by_k.items())},
             "measured_on": timed_dir, "costs": {k: round(v, 4) for k, v in costs.items()}}

@@ -4,6 +4,8 @@ import json
 import os
 import textwrap
 
+import pytest
+
 from quatro_nemo.study import runner
 from quatro_nemo.study.plan import RunSpec, Setting
 
@@ -57,8 +59,12 @@ def test_execute_skips_done_runs_reports_failures_and_isolates_runs(tmp_path, mo
     assert seen["args"][:4] == ["config=config", "trainer.steps=2", "algorithm=quatro", "run.seed=1"]
     assert f"run.dir={runner.run_dir(study_dir, specs[1].name)}" in seen["args"]
     # a second pass trains nothing that finished, and retries the failure
-    again = runner.execute(specs[:3], study_dir, ["config=config"], workers=2, log=messages.append, poll_s=0.05)
+    again = runner.execute(specs[:3], study_dir, ["config=config", "trainer.steps=2"], workers=2,
+                           log=messages.append, poll_s=0.05)
     assert {r.status for r in again} == {"skipped"}
+    # the same names with other settings: an error naming the difference, never a silent reuse (issue 29)
+    with pytest.raises(runner.RunIdentityError, match="trainer.steps=2"):
+        runner.execute(specs[:3], study_dir, ["config=config"], workers=2, log=messages.append, poll_s=0.05)
 
 
 def test_with_evaluation_a_run_is_done_once_evaluated(tmp_path, monkeypatch):
@@ -80,7 +86,7 @@ def test_with_evaluation_a_run_is_done_once_evaluated(tmp_path, monkeypatch):
         assert json.load(open(os.path.join(directory, "study_eval.jsonl"))) == ["--n", n]
         assert runner.is_done(directory) and runner.is_trained(directory)
     again = runner.execute([trained], study_dir, ["config=config"], workers=1, log=lambda m: None, poll_s=0.05,
-                           evaluation_args=lambda s: [])
+                           evaluation_args=lambda s: ["--n", "8"])
     assert [r.status for r in again] == ["skipped"]
 
 
