@@ -134,7 +134,7 @@ def _layer_spec(cfg: ModelConfig, use_transformer_engine: bool):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     local_spec = gpt_layer_specs.get_gpt_layer_local_spec
     if "normalization" in inspect.signature(local_spec).parameters:
-        return local_spec(normalization=cfg.normalization)
+        return local_spec(normalization=str(cfg.normalization))
     if cfg.normalization != "LayerNorm":  # megatron-core < 0.11: the local spec is LayerNorm only
         raise ValueError(
             f"model.normalization={str(cfg.normalization)!r} needs megatron-core >= 0.11 without "
@@ -152,7 +152,7 @@ def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size,
-        normalization=cfg.normalization,
+        normalization=str(cfg.normalization),
         layernorm_epsilon=cfg.norm_eps,
         gated_linear_unit=cfg.swiglu,
         activation_func=F.silu if cfg.swiglu else F.gelu,
@@ -233,7 +233,7 @@ def build_model(cfg: ModelConfig, use_transformer_engine: Optional[bool] = None)
         post_process=parallel.is_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
-        position_embedding_type=cfg.position_embedding,
+        position_embedding_type=str(cfg.position_embedding),
         rotary_base=cfg.rotary_base,
     )
     model = model.to(current_device())
