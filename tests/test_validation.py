@@ -70,3 +70,31 @@ def test_token_budget_rule_stated_once():
             check_token_budget(bad)
     with pytest.raises(ConfigError, match="parallel.sequence_packing"):
         check_token_budget(None, pack=True)
+
+
+@pytest.mark.parametrize("overrides, key, options", [
+    (["model.architecture=llama"], "model.architecture", "gpt, qwen2"),
+    (["model.normalization=BatchNorm"], "model.normalization", "LayerNorm, RMSNorm"),
+    (["model.position_embedding=alibi"], "model.position_embedding", "learned_absolute, rope"),
+    (["model.params_dtype=float8"], "model.params_dtype", "float32, bfloat16, float16"),
+    (["eval.ucc_criterion=levenshtein"], "eval.ucc_criterion", "task, code, exact"),
+    (["task.reward=partial"], "task.reward", "binary, graded"),
+    (["config=quatro_1p5b", "task.verifier=lean"], "task.verifier", "countdown, math, code"),
+])
+def test_hydra_rejects_a_bad_choice_while_composing_naming_the_key(overrides, key, options):
+    from quatro_nemo.engine.config import load_config
+
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides)
+    message = str(error.value)
+    assert f"full_key: {key}" in message and options in message, message
+
+
+def test_choices_of_a_composed_run_config_are_members_that_read_as_their_strings():
+    from quatro_nemo.engine.config import load_config, UccCriterion
+    from quatro_nemo.megatron.models import Architecture, ParamsDtype
+
+    cfg = load_config(["model.architecture=qwen2", "eval.ucc_criterion=rouge_l"])
+    assert cfg.model.architecture is Architecture.qwen2 and cfg.model.params_dtype is ParamsDtype.float32
+    assert cfg.model.normalization == "RMSNorm" and cfg.model.position_embedding == "rope"   # qwen2's flavour
+    assert cfg.eval.ucc_criterion is UccCriterion("rouge_l") and f"{cfg.eval.ucc_criterion}" == "rouge_l"

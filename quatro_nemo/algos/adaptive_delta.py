@@ -54,12 +54,6 @@ def achieved_kl_per_group(log_ratios: torch.Tensor, rewards: torch.Tensor) -> Op
     return trust_region_kl(log_ratios[informative])
 
 
-def achieved_kl(log_ratios: torch.Tensor, rewards: torch.Tensor) -> Optional[float]:
-    """Mean of :func:`achieved_kl_per_group` over the informative groups; None when there are none."""
-    per_group = achieved_kl_per_group(log_ratios, rewards)
-    return None if per_group is None else float(per_group.mean())
-
-
 # --------------------------------------------------------------------------------------------
 # Strategy 1: a controller on the achieved KL
 # --------------------------------------------------------------------------------------------
@@ -71,7 +65,7 @@ class DeltaController:
     KL penalty coefficient", moved from the penalty coefficient to the constraint radius).
 
     After each rollout step's K inner loops the loop measures the achieved trust-region KL ``d``
-    (:func:`achieved_kl`) and the radius of the next step is
+    (:attr:`quatro_nemo.algos.step_state.TrustRegionLog.achieved_kl`) and the radius of the next step is
 
         delta_{t+1} = clip( delta_t * clip((target / d)^gain, 1/max_factor, max_factor),
                             delta_min, delta_max ).

@@ -2,7 +2,7 @@
 
 QUATRO's delta is the KL of the *target* pi* of each query (Eq. 11), but under Adam the step the
 optimizer takes towards pi* is set by the learning rate: the achieved trust-region KL of an update
-(:func:`quatro_nemo.algos.adaptive_delta.achieved_kl`) is 8-100x below delta at the CPU default
+(:attr:`quatro_nemo.algos.step_state.TrustRegionLog.achieved_kl`) is 8-100x below delta at the CPU default
 and grows with the lr whatever delta is. ``algorithm.lr_control=kl_adaptive`` closes that loop the
 way PPO implementations with a KL-adaptive learning rate do, with delta as the desired KL.
 

@@ -42,12 +42,13 @@ from quatro_nemo.algos import ALGORITHMS, AlgorithmConfig, build_algorithm
 from quatro_nemo.algos.importance import ImportanceCorrection
 from quatro_nemo.algos.schema import algorithm_schema, register_algorithm_schemas
 from quatro_nemo.engine.capabilities import check_engine_support
+from quatro_nemo.eval.similarity import SIMILARITY_METRICS
 from quatro_nemo.engine.memory_plan import MemoryPlan, plan_run
 from quatro_nemo.engine.task import TASK_SCHEMAS, register_task_schemas, task_vocab_size
 from quatro_nemo.tasks.countdown.warmstart import WarmStartConfig
 from quatro_nemo.megatron.models import ModelConfig
 from quatro_nemo.validation import (Choice, ConfigError, check_at_least, check_in_unit_interval, check_mini_batches,
-                                    check_number, check_positive, check_token_budget, coerce_choices)
+                                    check_number, check_positive, check_token_budget, choices, coerce_choices)
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 PRIMARY_KEY = "config"          # config=NAME on the command line: the primary config conf/NAME.yaml
@@ -69,6 +70,11 @@ class Device(Choice):
 class RolloutBackendName(Choice):
     megatron = "megatron"
     vllm = "vllm"
+
+
+# distinct correct solutions for UCC@k: "task" (the task's canonical form of a solution) or a
+# near-duplicate metric of quatro_nemo.eval.similarity (quatro_nemo.engine.evaluation.cluster_sizes)
+UccCriterion = choices("UccCriterion", ("task", *SIMILARITY_METRICS), __name__)
 
 
 @dataclass
@@ -155,7 +161,7 @@ class EvalConfig:
     n_samples: int = 32             # samples per problem (the paper uses 256)
     temperature: float = 1.0
     top_p: float = 0.7              # paper: top-p 0.7 at evaluation
-    ucc_criterion: str = "exact"    # near-duplicate criterion for UCC@k (see quatro_nemo.eval)
+    ucc_criterion: UccCriterion = UccCriterion("exact")   # near-duplicate criterion for UCC@k (UccCriterion)
     ucc_threshold: float = 1.0
 
     def __post_init__(self) -> None:
@@ -163,6 +169,7 @@ class EvalConfig:
         check_positive("eval.temperature", self.temperature)
         check_in_unit_interval("eval.top_p", self.top_p)
         check_number("eval.num_problems", self.num_problems, non_negative=True)
+        coerce_choices(self, "eval")
 
 
 @dataclass

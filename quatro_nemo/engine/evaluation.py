@@ -19,6 +19,7 @@ import numpy as np
 
 from quatro_nemo.eval.passk import pass_at_k, power_of_two_ks, ucc_at_k, unique_correct_ratio
 from quatro_nemo.eval.similarity import cluster_near_duplicates
+from quatro_nemo.engine.config import UccCriterion
 from quatro_nemo.engine.rollout import model_inputs
 from quatro_nemo.megatron import parallel
 from quatro_nemo.megatron.batching import MicroBatching
@@ -41,7 +42,7 @@ class EvalSettings:
     max_new_tokens: int
     seed: int                       # the sampling noise: the same seed draws the same random numbers
     micro_batching: MicroBatching   # of the forward pass that measures the token entropy
-    ucc_criterion: str = "exact"    # distinct correct solutions: "task" (the task's canonical form)
+    ucc_criterion: UccCriterion = UccCriterion("exact")   # distinct correct solutions: "task" (the task's canonical form)
     ucc_threshold: float = 1.0      # or a quatro_nemo.eval.similarity metric with this threshold
 
     def sampling_params(self) -> SamplingParams:

@@ -156,17 +156,18 @@ def engine_gap_metrics(engine_logprobs: torch.Tensor, trainer_logprobs: torch.Te
     diff = (trainer_logprobs.float() - engine_logprobs.to(trainer_logprobs.device).float()) * mask
     sequence_log_ratio = diff.sum(dim=-1)
     has_tokens = (mask.sum(dim=-1) > 0).float()
-    shares = reduce_metrics([{
-        "abs_sum": diff.abs().sum(), "tokens": mask.sum(),
-        "token_abs/max": diff.abs().max() if diff.numel() else diff.new_zeros(()),
-        "seq_abs_sum": (sequence_log_ratio.abs() * has_tokens).sum(),
-        "seq_ratio_sum": (sequence_log_ratio.exp() * has_tokens).sum(), "sequences": has_tokens.sum(),
+    totals = reduce_metrics([{
+        "engine_gap/token_abs_sum": diff.abs().sum(), "engine_gap/tokens": mask.sum(),
+        "engine_gap/token_abs_max": diff.abs().max() if diff.numel() else diff.new_zeros(()),
+        "engine_gap/seq_log_ratio_abs_sum": (sequence_log_ratio.abs() * has_tokens).sum(),
+        "engine_gap/seq_ratio_sum": (sequence_log_ratio.exp() * has_tokens).sum(),
+        "engine_gap/sequences": has_tokens.sum(),
     }])
-    tokens, sequences = max(shares["tokens"], 1.0), max(shares["sequences"], 1.0)
-    return {"engine_gap/token_abs_mean": shares["abs_sum"] / tokens,
-            "engine_gap/token_abs_max": shares["token_abs/max"],
-            "engine_gap/seq_log_ratio_abs_mean": shares["seq_abs_sum"] / sequences,
-            "engine_gap/seq_ratio_mean": shares["seq_ratio_sum"] / sequences}
+    tokens, sequences = max(totals["engine_gap/tokens"], 1.0), max(totals["engine_gap/sequences"], 1.0)
+    return {"engine_gap/token_abs_mean": totals["engine_gap/token_abs_sum"] / tokens,
+            "engine_gap/token_abs_max": totals["engine_gap/token_abs_max"],
+            "engine_gap/seq_log_ratio_abs_mean": totals["engine_gap/seq_log_ratio_abs_sum"] / sequences,
+            "engine_gap/seq_ratio_mean": totals["engine_gap/seq_ratio_sum"] / sequences}
 
 
 # --------------------------------------------------------------------------------------------

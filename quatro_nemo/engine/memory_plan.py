@@ -110,8 +110,8 @@ class ModelShape:
         """From a validated ``quatro_nemo.megatron.models.ModelConfig`` (RMSNorm + RoPE decoders:
         Qwen2; the tiny CPU GPT's LayerNorm biases and position table are not counted)."""
         if cfg.normalization != "RMSNorm" or cfg.position_embedding != "rope":
-            raise ConfigError(f"model.normalization={cfg.normalization!r}, model.position_embedding="
-                              f"{cfg.position_embedding!r}: the planner covers RMSNorm + RoPE decoders (qwen2)")
+            raise ConfigError(f"model.normalization='{cfg.normalization}', model.position_embedding="
+                              f"'{cfg.position_embedding}': the planner covers RMSNorm + RoPE decoders (qwen2)")
         check_params_dtype(cfg.params_dtype)
         return cls(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 from quatro_nemo.data.schema import iter_jsonl
 from quatro_nemo.engine.logging import read_metrics
 from quatro_nemo.eval.flip import flip_rate_by_bucket
+from quatro_nemo.eval.passk import distinct_correct_per_solved
 
 
 def _samples(run_dir: str, step: int) -> Optional[List[Dict[str, Any]]]:
@@ -43,13 +44,12 @@ def _success_histogram(samples: List[Dict[str, Any]]) -> List[str]:
             f"{sum(x == 1 for x in rates)} always solved.", ""]
 
 
-def distinct_correct_per_solved(samples: List[Dict[str, Any]]) -> Optional[float]:
-    """Mean number of distinct correct solutions (the UCC@k clusters) over the problems solved at
-    least once: the diversity RL can keep or lose (issue 16). None if no problem was solved."""
+def _distinct_correct_per_solved(samples: List[Dict[str, Any]]) -> Optional[float]:
+    """:func:`~quatro_nemo.eval.passk.distinct_correct_per_solved` of evaluation sample rows; None
+    if no problem was solved or the rows have no clusters."""
     if not all("cluster_sizes" in r for r in samples):
         return None
-    solved = [len(r["cluster_sizes"]) for r in samples if r["num_correct"] > 0]
-    return sum(solved) / len(solved) if solved else None
+    return distinct_correct_per_solved([r["num_correct"] for r in samples], [len(r["cluster_sizes"]) for r in samples])
 
 
 def heldout_table(base: Dict[str, Any], final: Dict[str, Any]) -> List[str]:
@@ -85,7 +85,7 @@ def write_report(run_dir: str, cfg, task_properties: Dict[str, Any]) -> Dict[str
         lines += heldout_table(base, final) + [""]
         base_samples, final_samples = _samples(run_dir, base["step"]), _samples(run_dir, final["step"])
         if base_samples and final_samples:
-            diversity = [distinct_correct_per_solved(base_samples), distinct_correct_per_solved(final_samples)]
+            diversity = [_distinct_correct_per_solved(base_samples), _distinct_correct_per_solved(final_samples)]
             if None not in diversity:
                 summary["distinct_correct_per_solved"] = {"base": diversity[0], "final": diversity[1]}
                 lines += [f"Distinct correct answers per solved problem (the UCC@k clusters: solutions equal "

@@ -5,26 +5,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from quatro_nemo.engine.config import RolloutBackendName
 from quatro_nemo.engine.rollout import MegatronRolloutBackend, RolloutBackend
 from quatro_nemo.engine.vllm_backend import VllmRolloutBackend
+from quatro_nemo.validation import check_choice
 
 if TYPE_CHECKING:
     from quatro_nemo.engine.config import ExperimentConfig
-
-BACKENDS = ("megatron", "vllm")
 
 
 def build_rollout_backend(cfg: "ExperimentConfig", model, model_config, task) -> RolloutBackend:
     """The backend ``cfg.rollout.backend`` names, built for the policy ``model`` (this rank's
     stage), its ``model_config`` (:class:`~quatro_nemo.megatron.models.ModelConfig`) and the
     ``task`` (:class:`~quatro_nemo.tasks.base.Task`: end and pad tokens)."""
-    name = cfg.rollout.backend
-    if name == "megatron":
+    name = check_choice("rollout.backend", cfg.rollout.backend, RolloutBackendName)
+    if name is RolloutBackendName.megatron:
         return MegatronRolloutBackend(model, stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
-    if name == "vllm":
-        return VllmRolloutBackend(model, model_config, engine=cfg.vllm,
-                                  stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
-    raise ValueError(f"rollout.backend={name!r}: choose one of {list(BACKENDS)}")
+    return VllmRolloutBackend(model, model_config, engine=cfg.vllm,
+                              stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
 
 
 def hand_over_training_state(backend: RolloutBackend, cfg: "ExperimentConfig", policy_ddp, optimizer) -> None:

@@ -230,7 +230,7 @@ def engine_arguments(model_config, engine: VllmConfig, model_dir: str, sleep_mod
     arguments: Dict[str, Any] = dict(
         model=model_dir, load_format="dummy", skip_tokenizer_init=True,
         tensor_parallel_size=engine.tensor_parallel, distributed_executor_backend="external_launcher",
-        dtype=model_config.params_dtype, gpu_memory_utilization=engine.gpu_memory_utilization,
+        dtype=str(model_config.params_dtype), gpu_memory_utilization=engine.gpu_memory_utilization,
         enable_sleep_mode=sleep_mode, max_model_len=model_config.max_position_embeddings,
         max_num_seqs=engine.max_num_seqs, enforce_eager=engine.enforce_eager, seed=engine.seed,
         logprobs_mode="raw_logprobs",   # log pi(token) at temperature 1, what the trainer recomputes

@@ -16,7 +16,7 @@ i.e. the sum of pass@k over the clusters, each treated as the "correct" set.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -84,3 +84,13 @@ def unique_correct_ratio(n: int, num_clusters: int) -> float:
     if n < 1 or not 0 <= num_clusters <= n:
         raise ValueError(f"need 0 <= num_clusters <= n, n >= 1; got {num_clusters}, {n}")
     return num_clusters / n
+
+
+def distinct_correct_per_solved(num_correct: Sequence[int], num_distinct: Sequence[int]) -> Optional[float]:
+    """Mean number of distinct correct solutions (clusters J, as in UCC@k) over the problems solved
+    at least once (c > 0), from each problem's correct count and distinct-correct count: the
+    diversity RL can keep or lose (issue 16). None when no problem was solved."""
+    if len(num_correct) != len(num_distinct):
+        raise ValueError(f"{len(num_correct)} correct counts for {len(num_distinct)} distinct counts")
+    solved = [d for c, d in zip(num_correct, num_distinct) if c > 0]
+    return sum(solved) / len(solved) if solved else None

@@ -11,8 +11,9 @@ Exactness over any split of the global batch (NeMo-RL's ``global_valid_seqs/toks
   megatron's DDP SUMS data-parallel gradients instead of averaging them
   (:mod:`quatro_nemo.megatron.training`), which is exactly what shares of a global loss need.
 - metrics are additive shares too and are summed over micro-batches and DP ranks, except maxima
-  and minima (their kind: :mod:`quatro_nemo.algos.metric_reduction`; :func:`reduce_metrics`). They are computed on the last pipeline
-  stage and broadcast to every stage.
+  and minima (each metric's declared reduction: :mod:`quatro_nemo.algos.metric_reduction`;
+  :func:`reduce_metrics`). They are computed on the last pipeline stage and broadcast to every
+  stage.
 """
 from __future__ import annotations
 
@@ -96,11 +97,13 @@ def unit_count(like: torch.Tensor) -> torch.Tensor:
 def reduce_metrics(per_microbatch: List[Mapping[str, torch.Tensor]], dp_group=None) -> Dict[str, float]:
     """Reduce metric shares over micro-batches and data-parallel ranks (last stage only).
 
-    Each key reduces by its kind (:func:`~quatro_nemo.algos.metric_reduction.metric_reduction`:
-    shares with sum, maxima with max, minima with min). One all-reduce per kind over ``dp_group``
+    Each key reduces by its declared reduction
+    (:data:`~quatro_nemo.algos.metric_reduction.METRIC_REDUCTIONS`: shares with sum, maxima with
+    max, minima with min; an undeclared key is a KeyError). One all-reduce per kind over ``dp_group``
     (default megatron's DP group); every DP rank must pass the same keys.
     """
     keys = sorted({key for metrics in per_microbatch for key in metrics})
+    reductions = {key: metric_reduction(key) for key in keys}
     if dp_group is None:
         dp_group = parallel.dp_group()
     torch_ops = {Reduction.SHARE: dist.ReduceOp.SUM, Reduction.MAX: dist.ReduceOp.MAX,
@@ -108,7 +111,7 @@ def reduce_metrics(per_microbatch: List[Mapping[str, torch.Tensor]], dp_group=No
     local_reducers = {Reduction.SHARE: torch.sum, Reduction.MAX: torch.amax, Reduction.MIN: torch.amin}
     result: Dict[str, float] = {}
     for kind, torch_op in torch_ops.items():
-        kind_keys = [key for key in keys if metric_reduction(key) is kind]
+        kind_keys = [key for key, reduction in reductions.items() if reduction is kind]
         if not kind_keys:
             continue
         values = torch.stack([

@@ -32,16 +32,21 @@ import torch
 import torch.nn.functional as F
 
 from quatro_nemo.megatron import parallel
+from quatro_nemo.validation import choices, coerce_choices
 
-ARCHITECTURES = ("gpt", "qwen2")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Architecture = choices("Architecture", ("gpt", "qwen2"), __name__)
+Normalization = choices("Normalization", ("LayerNorm", "RMSNorm"), __name__)
+PositionEmbedding = choices("PositionEmbedding", ("learned_absolute", "rope"), __name__)
+ParamsDtype = choices("ParamsDtype", tuple(_DTYPES), __name__)
 
 
 @dataclass
 class ModelConfig:
     """Shape and flavour of a decoder. ``architecture`` fills the flavour defaults left as None.
 
-    Validated in ``__post_init__``; a bad value raises ``ValueError`` naming the field.
+    Validated in ``__post_init__``; a bad value raises ``ValueError`` naming the field (a
+    :class:`~quatro_nemo.validation.ConfigError` for a choice; Hydra rejects one while composing).
     """
 
     vocab_size: Optional[int] = 64  # None (run configs only): the task's vocabulary, Task.model_config
@@ -51,25 +56,24 @@ class ModelConfig:
     num_query_groups: Optional[int] = None  # None: = num_attention_heads (no GQA)
     ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
     max_position_embeddings: int = 64
-    architecture: str = "gpt"
+    architecture: Architecture = Architecture.gpt
     # Flavour switches: None takes the architecture's default (see ARCHITECTURE_DEFAULTS).
-    normalization: Optional[str] = None  # "LayerNorm" | "RMSNorm"
+    normalization: Optional[Normalization] = None
     swiglu: Optional[bool] = None
     qkv_bias: Optional[bool] = None
     linear_bias: Optional[bool] = None  # biases on the other linear layers
-    position_embedding: Optional[str] = None  # "learned_absolute" | "rope"
+    position_embedding: Optional[PositionEmbedding] = None
     rotary_base: int = 10000
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
     init_method_std: float = 0.02
-    params_dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    params_dtype: ParamsDtype = ParamsDtype.float32
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     extra: Dict[str, Any] = field(default_factory=dict)  # passed to TransformerConfig as is
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"model.architecture={self.architecture!r}: expected one of {ARCHITECTURES}")
+        coerce_choices(self, "model")
         for key, value in ARCHITECTURE_DEFAULTS[self.architecture].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
@@ -93,14 +97,6 @@ class ModelConfig:
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"model.num_query_groups={self.num_query_groups}"
             )
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"model.normalization={self.normalization!r}: expected LayerNorm or RMSNorm")
-        if self.position_embedding not in ("learned_absolute", "rope"):
-            raise ValueError(
-                f"model.position_embedding={self.position_embedding!r}: expected learned_absolute or rope"
-            )
-        if self.params_dtype not in _DTYPES:
-            raise ValueError(f"model.params_dtype={self.params_dtype!r}: expected one of {tuple(_DTYPES)}")
         if self.norm_eps <= 0:
             raise ValueError(f"model.norm_eps={self.norm_eps} must be > 0")
 
@@ -112,11 +108,11 @@ class ModelConfig:
         return asdict(self)
 
 
-ARCHITECTURE_DEFAULTS: Dict[str, Dict[str, object]] = {
-    "gpt": dict(normalization="LayerNorm", swiglu=False, qkv_bias=True, linear_bias=True,
-                position_embedding="learned_absolute"),
-    "qwen2": dict(normalization="RMSNorm", swiglu=True, qkv_bias=True, linear_bias=False,
-                  position_embedding="rope"),
+ARCHITECTURE_DEFAULTS: Dict[Architecture, Dict[str, object]] = {
+    Architecture.gpt: dict(normalization=Normalization.LayerNorm, swiglu=False, qkv_bias=True, linear_bias=True,
+                           position_embedding=PositionEmbedding.learned_absolute),
+    Architecture.qwen2: dict(normalization=Normalization.RMSNorm, swiglu=True, qkv_bias=True, linear_bias=False,
+                             position_embedding=PositionEmbedding.rope),
 }
 
 
@@ -138,10 +134,10 @@ def _layer_spec(cfg: ModelConfig, use_transformer_engine: bool):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     local_spec = gpt_layer_specs.get_gpt_layer_local_spec
     if "normalization" in inspect.signature(local_spec).parameters:
-        return local_spec(normalization=cfg.normalization)
+        return local_spec(normalization=str(cfg.normalization))
     if cfg.normalization != "LayerNorm":  # megatron-core < 0.11: the local spec is LayerNorm only
         raise ValueError(
-            f"model.normalization={cfg.normalization!r} needs megatron-core >= 0.11 without "
+            f"model.normalization={str(cfg.normalization)!r} needs megatron-core >= 0.11 without "
             "Transformer Engine (this megatron-core's local layer spec has LayerNorm only)"
         )
     return local_spec()
@@ -156,7 +152,7 @@ def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size,
-        normalization=cfg.normalization,
+        normalization=str(cfg.normalization),
         layernorm_epsilon=cfg.norm_eps,
         gated_linear_unit=cfg.swiglu,
         activation_func=F.silu if cfg.swiglu else F.gelu,
@@ -237,7 +233,7 @@ def build_model(cfg: ModelConfig, use_transformer_engine: Optional[bool] = None)
         post_process=parallel.is_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_embeddings,
-        position_embedding_type=cfg.position_embedding,
+        position_embedding_type=str(cfg.position_embedding),
         rotary_base=cfg.rotary_base,
     )
     model = model.to(current_device())

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Dict, List, Protocol, Sequence
 
+from quatro_nemo.validation import choices
+
 # name -> "module:attribute" of a zero-argument factory (usually the class itself); a task's own
 # verifier lives with its task (countdown: quatro_nemo.tasks.countdown) and is found here by name
 _VERIFIERS: Dict[str, str] = {
@@ -15,6 +17,7 @@ _VERIFIERS: Dict[str, str] = {
     "math": "quatro_nemo.rewards.math_verifier:MathVerifier",
     "code": "quatro_nemo.rewards.code:CodeVerifier",
 }
+VerifierName = choices("VerifierName", tuple(_VERIFIERS), __name__)   # a config's choice of verifier
 
 
 class Verifier(Protocol):

@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from quatro_nemo.algos import ALGORITHMS
 from quatro_nemo.algos.config import QUATRO_LOG_RATIOS, QuatroConfig
 from quatro_nemo.tasks.countdown.verifier import REWARD_KINDS
-from quatro_nemo.validation import ConfigError
+from quatro_nemo.validation import ConfigError, check_choice, choices
 
 STUDY_CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "conf", "study")
@@ -224,10 +224,14 @@ class CheckpointEvalConfig:
                                        f"got {value!r}")
 
 
+# paper: the claims of the QUATRO paper; adaptive: the adaptive radius (issue 19)
+StudyKind = choices("StudyKind", ("paper", "adaptive"), __name__)
+
+
 @dataclass
 class StudyConfig:
     name: str = "study"
-    kind: str = "paper"                          # paper: the claims of the QUATRO paper; adaptive: issue 19
+    kind: StudyKind = StudyKind.paper
     description: str = ""                        # what this study's scale is; shown in the report
     train_config: str = "config"                 # primary training config (conf/<train_config>.yaml)
     train_overrides: List[str] = field(default_factory=list)   # key=value for every run
@@ -275,8 +279,7 @@ class StudyConfig:
         self.ablation.validate()
         self.deltas.validate()
         self.evaluation.validate()
-        if self.kind not in STUDY_KINDS:
-            raise StudyConfigError(f"kind must be one of {list(STUDY_KINDS)}, got {self.kind!r}")
+        self.kind = check_choice("kind", self.kind, StudyKind)
         if (self.kind == "adaptive") != (self.adaptive is not None):
             raise StudyConfigError("an adaptive section needs kind: adaptive, and kind: adaptive an adaptive section")
         if self.adaptive is not None:
@@ -306,9 +309,6 @@ class StudyConfig:
     def decision_top_p(self) -> float:
         """The top-p the held-out claims are decided at, stated in advance (``claim_top_p``)."""
         return float(self.evaluation.top_p[0] if self.claim_top_p is None else self.claim_top_p)
-
-
-STUDY_KINDS = ("paper", "adaptive")
 
 
 def _nested() -> Dict[str, type]:

@@ -31,6 +31,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from quatro_nemo.eval.passk import distinct_correct_per_solved
+
 STUDY_EVAL = "study_eval.jsonl"     # a run's evaluation records, written last (the run's "done" mark)
 
 
@@ -40,10 +42,10 @@ def summarize_rows(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     distinct-correct clusters)."""
     num_correct = [int(r["num_correct"]) for r in rows]
     num_distinct = [len(r["cluster_sizes"]) for r in rows]
-    solved = [d for c, d in zip(num_correct, num_distinct) if c > 0]
+    per_solved = distinct_correct_per_solved(num_correct, num_distinct)
     return {"num_correct": num_correct, "num_distinct": num_distinct,
-            "solved_fraction": len(solved) / len(rows) if rows else 0.0,
-            "distinct_correct_per_solved": sum(solved) / len(solved) if solved else 0.0}
+            "solved_fraction": sum(c > 0 for c in num_correct) / len(rows) if rows else 0.0,
+            "distinct_correct_per_solved": 0.0 if per_solved is None else per_solved}
 
 
 def study_eval_settings(cfg, n_samples: int, top_p: float, temperature: float, seed: int):

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from quatro_nemo.data.schema import read_problems
-from quatro_nemo.rewards import get_verifier
+from quatro_nemo.rewards import VerifierName, get_verifier
 from quatro_nemo.tasks.base import Task, check_task_name
+from quatro_nemo.validation import coerce_choices
 
 
 @dataclass
@@ -23,11 +24,12 @@ class JsonlTaskConfig:
     train_path: str = ""        # JSONL written by recipes/prepare_data.py
     eval_path: str = ""         # held-out JSONL evaluated during training
     hf_checkpoint: str = ""     # Hugging Face model directory: tokenizer and base weights
-    verifier: str = "math"      # a name in quatro_nemo.rewards (math, code, countdown)
+    verifier: VerifierName = VerifierName.math   # a verifier of quatro_nemo.rewards
     verifier_options: Dict[str, Any] = field(default_factory=dict)  # e.g. code: reward, num_workers
 
     def __post_init__(self) -> None:
         check_task_name(self, "jsonl")
+        coerce_choices(self, "task")
 
 
 def checkpoint_end_tokens(checkpoint_dir: str, tokenizer_eos_id: Optional[int]) -> Tuple[int, ...]:

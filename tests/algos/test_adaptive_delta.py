@@ -12,7 +12,8 @@ import torch
 from scipy.optimize import brentq
 
 from quatro_nemo.algos import QuatroConfig, get_advantage_estimator, solve_dual
-from quatro_nemo.algos.adaptive_delta import DeltaController, achieved_kl, per_query_delta
+from quatro_nemo.algos.adaptive_delta import DeltaController, per_query_delta
+from quatro_nemo.algos.step_state import StepMeasurements, TrustRegionLog
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,6 +116,13 @@ def numpy_softmax_kl(log_weights):
     shifted = l - l.max(axis=1, keepdims=True)
     log_w = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     return (np.exp(log_w) * (log_w + math.log(l.shape[1]))).sum(axis=1)
+
+
+def achieved_kl(log_ratios, rewards):
+    """The achieved KL the algorithm state measures from one step's log-ratios and rewards."""
+    log = TrustRegionLog(QuatroConfig(log_achieved_kl=True))
+    log.observe(StepMeasurements(rewards=rewards, log_ratios=log_ratios))
+    return log.achieved_kl
 
 
 def test_achieved_kl_of_the_optimum_is_delta_and_skips_constant_groups():

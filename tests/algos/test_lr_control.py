@@ -6,7 +6,6 @@ equation, and trust-region KLs of log-ratios computed with numpy in float64.
 """
 import dataclasses
 import io
-import math
 
 import numpy as np
 import pytest
@@ -140,12 +139,3 @@ def test_bad_lr_control_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         QuatroConfig(**{field: value})
 
-
-def test_metric_reduction_kinds_over_updates():
-    from quatro_nemo.algos.metric_reduction import reduce_over_updates
-
-    updates = [{"policy/loss": 1.0, "policy/ratio/max": 1.2, "policy/ratio/min": 0.9},
-               {"policy/loss": 3.0, "policy/ratio/max": 1.1, "policy/ratio/min": 0.7}]
-    assert reduce_over_updates(updates) == {"policy/loss": 2.0, "policy/ratio/max": 1.2, "policy/ratio/min": 0.7}
-    assert reduce_over_updates([]) == {}
-    assert math.isfinite(reduce_over_updates(updates)["policy/loss"])

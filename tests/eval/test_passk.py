@@ -7,7 +7,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from quatro_nemo.eval.passk import pass_at_k, power_of_two_ks, ucc_at_k, unique_correct_ratio
+from quatro_nemo.eval.passk import distinct_correct_per_solved, pass_at_k, power_of_two_ks, ucc_at_k, unique_correct_ratio
 
 
 def exact_pass_at_k(n, c, k):
@@ -85,3 +85,13 @@ def test_ucr_and_k_grid():
     assert unique_correct_ratio(256, 32) == 0.125
     assert power_of_two_ks(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert power_of_two_ks(100) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_distinct_correct_per_solved_averages_over_solved_problems_only():
+    # problems: solved with 3 clusters, unsolved (0 correct, 0 clusters), solved with 1 cluster,
+    # solved with 2 clusters: (3 + 1 + 2) / 3 solved = 2, the unsolved one not counted
+    assert distinct_correct_per_solved([5, 0, 1, 4], [3, 0, 1, 2]) == pytest.approx(2.0, rel=1e-12)
+    assert distinct_correct_per_solved([0, 0], [0, 0]) is None
+    assert distinct_correct_per_solved([], []) is None
+    with pytest.raises(ValueError, match="correct counts"):
+        distinct_correct_per_solved([1, 2], [1])

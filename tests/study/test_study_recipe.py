@@ -28,6 +28,7 @@ def study_main(argv):
     (["study.workers=two"], 1, "study.workers"),
     (["study=quick", "study.sweeps.inner_lops=[1]"], 1, "study.sweeps.inner_lops"),
     (["study=adaptive", "study.adaptive.taskz=[binary]"], 1, "study.adaptive.taskz"),
+    (["study.kind=survey"], 1, "study.kind"),
     (["study=no_such_study"], 1, "study/no_such_study"),
     (["report_onli=true"], 1, "report_onli"),
     (["report_only=maybe"], 1, "report_only"),

@@ -8,6 +8,7 @@ from collections import Counter
 from typing import Any, Dict, Sequence
 
 from quatro_nemo.data.tokenizer import CharTokenizer
+from quatro_nemo.eval.passk import distinct_correct_per_solved
 from quatro_nemo.tasks.countdown.problems import canonical_expression, summarize
 from quatro_nemo.tasks.countdown.verifier import CountdownVerifier
 
@@ -35,17 +36,18 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
     responses = [tokenizer.decode(ids) for ids in batch.response_ids()]
     rows = [p for p in problems for _ in range(num_samples)]
     scores = CountdownVerifier().score_batch(rows, responses)
-    rates, distinct, distinct_expressions, top_shares = [], [], [], []
+    num_correct, rates, distinct, distinct_expressions, top_shares = [], [], [], [], []
     for g in range(len(problems)):
         group = range(g * num_samples, (g + 1) * num_samples)
         correct = [responses[i] for i in group if scores[i] > 0]
+        num_correct.append(len(correct))
         rates.append(len(correct) / num_samples)
         distinct.append(len(set(correct)))
         modes = Counter(canonical_expression(r) for r in correct)
         distinct_expressions.append(len(modes))
         if len(modes) >= 3:   # how unequal the preference between the modes is (1 / len(modes) if equal)
             top_shares.append((max(modes.values()) / len(correct), 1.0 / len(modes)))
-    solved = [d for d, rate in zip(distinct_expressions, rates) if rate > 0]
+    per_solved = distinct_correct_per_solved(num_correct, distinct_expressions)
     edges = [e / SUCCESS_BUCKET_EDGES[-1] for e in SUCCESS_BUCKET_EDGES]
     buckets = {}
     for lo, hi in zip(edges[:-1], edges[1:]):
@@ -63,7 +65,7 @@ def measure_policy(backend, problems: Sequence[Dict[str, Any]], tokenizer: CharT
         "distinct_correct_per_problem": summarize(distinct),
         "distinct_correct_expressions_per_problem": summarize(distinct_expressions),
         # the diversity a method can keep or lose (issue 16): mean over problems solved at least once
-        "distinct_correct_per_solved_problem": sum(solved) / len(solved) if solved else 0.0,
+        "distinct_correct_per_solved_problem": 0.0 if per_solved is None else per_solved,
         # over problems with >= 3 distinct correct expressions: the most frequent one's share of the
         # correct answers, and what it would be with equal preference
         "top_mode_share": sum(t for t, _ in top_shares) / len(top_shares) if top_shares else None,

@@ -14,20 +14,21 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Sequence
 
 from quatro_nemo.tasks.countdown.problems import graded_reward, is_correct
+from quatro_nemo.validation import choice_values, choices, coerce_choices
 
-REWARD_KINDS = ("binary", "graded")
+CountdownReward = choices("CountdownReward", ("binary", "graded"), __name__)
+REWARD_KINDS = tuple(choice_values(CountdownReward))
 
 
 @dataclass
 class CountdownRewardConfig:
     """``task.reward`` and ``task.partial_credit`` of the countdown task (ValueError naming the key)."""
 
-    reward: str = "binary"
+    reward: CountdownReward = CountdownReward.binary
     partial_credit: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.reward not in REWARD_KINDS:
-            raise ValueError(f"task.reward={self.reward!r}: choose one of {list(REWARD_KINDS)}")
+        coerce_choices(self, "task")
         if isinstance(self.partial_credit, bool) or not isinstance(self.partial_credit, (int, float)) \
                 or not math.isfinite(self.partial_credit) or not 0.0 <= self.partial_credit < 1.0:
             raise ValueError(f"task.partial_credit={self.partial_credit!r} must be in [0, 1) (an exact answer gets 1)")
