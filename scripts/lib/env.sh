@@ -7,19 +7,21 @@
 # find_python VERSION: $PYTHON if set, else pythonVERSION on PATH, else a pyenv build of it.
 # Fails with what to install when there is none.
 find_python() {
-    local version=$1 candidate
+    local version=$1 candidate pyenv=${PYENV_ROOT:-$HOME/.pyenv}
     if [ -n "${PYTHON:-}" ]; then
         echo "$PYTHON"
         return
     fi
-    for candidate in "python$version" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$version".*/bin/"python$version"; do
+    # a pyenv shim on PATH for a version that pyenv has not selected exits non-zero: skipped
+    for candidate in "python$version" "$pyenv"/versions/"$version".*/bin/"python$version"; do
         if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import venv' 2>/dev/null; then
             command -v "$candidate"
             return
         fi
     done
     {
-        echo "no Python $version found (looked for python$version on PATH and in pyenv)."
+        echo "no Python $version found (looked for a python$version on PATH that runs and has venv,"
+        echo "and for $pyenv/versions/$version.*/bin/python$version)."
         echo "Install it, e.g. 'apt-get install python$version python$version-venv' or"
         echo "'pyenv install $version', or point PYTHON at a python$version."
     } >&2

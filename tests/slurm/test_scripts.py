@@ -350,3 +350,52 @@ def test_process_group_timeout_from_the_environment(monkeypatch):
         monkeypatch.setenv("QUATRO_DIST_TIMEOUT_MIN", bad)
         with pytest.raises(ValueError, match=f"QUATRO_DIST_TIMEOUT_MIN='{bad}' must be a positive number"):
             process_group_timeout()
+
+
+# --------------------------------------------------------------------------------------------
+# Interpreter lookup of the environment scripts (scripts/lib/env.sh: find_python)
+
+
+def find_python(version: str, tmp_path: Path, **env: str):
+    """find_python VERSION in a bash whose PATH holds only tmp_path/bin, pyenv at tmp_path/pyenv."""
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    script = f"source scripts/lib/env.sh && find_python {version}"
+    return subprocess.run(["/bin/bash", "-c", script], cwd=ROOT, text=True, capture_output=True, timeout=60,
+                          env={"PATH": str(tmp_path / "bin"), "PYENV_ROOT": str(tmp_path / "pyenv"),
+                               "HOME": str(tmp_path), **env})
+
+
+def link_python(path: Path) -> Path:
+    """A working interpreter (this one) under the name the lookup searches for."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.symlink_to(sys.executable)
+    return path
+
+
+@pytest.mark.parametrize("version", ["3.11", "3.12"])
+def test_find_python_says_what_to_install_when_there_is_none(version, tmp_path):
+    result = find_python(version, tmp_path)
+    assert result.returncode != 0 and result.stdout == ""
+    for advice in (f"no Python {version} found", f"apt-get install python{version} python{version}-venv",
+                   f"pyenv install {version}", f"point PYTHON at a python{version}",
+                   f"{tmp_path / 'pyenv'}/versions/{version}.*/bin/python{version}"):
+        assert advice in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("version", ["3.11", "3.12"])
+def test_find_python_skips_a_shim_that_fails_and_takes_the_pyenv_build(version, tmp_path):
+    shim = tmp_path / "bin" / f"python{version}"  # pyenv's shim for a version it has not selected
+    shim.parent.mkdir()
+    shim.write_text("#!/bin/sh\necho 'pyenv: command not found' >&2\nexit 127\n")
+    shim.chmod(0o755)
+    build = link_python(tmp_path / "pyenv" / "versions" / f"{version}.1" / "bin" / f"python{version}")
+    result = find_python(version, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(build)
+
+
+def test_find_python_prefers_path_and_yields_to_python(tmp_path):
+    on_path = link_python(tmp_path / "bin" / "python3.12")
+    link_python(tmp_path / "pyenv" / "versions" / "3.12.1" / "bin" / "python3.12")
+    assert find_python("3.12", tmp_path).stdout.strip() == str(on_path)
+    assert find_python("3.12", tmp_path, PYTHON="/opt/my/python").stdout.strip() == "/opt/my/python"
