@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 from quatro_nemo.study.config import DEFAULT_CONDITION, QUATRO, StudyConfig
 from quatro_nemo.study.plan import Defaults, RunSpec, Setting, StudyPlan, make_setting, run_overrides
+from quatro_nemo.study.stats import is_not_run
 
 FULL_EVALUATION_NOTE = "default-condition runs: full evaluation; stress runs: sweep_n_samples at the first top-p"
 
@@ -148,9 +149,17 @@ def claim_frontier(study, strategy: str, kmax: int):
                                                               f"ucc@{kmax} {arm}": mean_of(study, other, ucc)}))
     statement = (f"'{strategy}' (one setting for every task) reaches the accuracy / diversity frontier of the best fixed "
                  f"delta tuned per task: pass@1 and pass@{kmax} (top-p {p:g}) not below it")
-    return an._claim(study, f"frontier_{strategy}", statement, comparisons, "",
-                     "best fixed delta chosen after the fact per task and metric (favours the fixed delta); "
-                     "INCONCLUSIVE means no significant difference, not equivalence: read the intervals")
+    return an.make_claim(study, f"frontier_{strategy}", statement, comparisons, "",
+                         "best fixed delta chosen after the fact per task and metric (favours the fixed delta); "
+                         "INCONCLUSIVE means no significant difference, not equivalence: read the intervals",
+                         runs=claim_runs(plan, strategy, plan.conditions[:1]))
+
+
+def claim_runs(plan: AdaptivePlan, strategy: str, conditions: List[str]):
+    """A claim's runs (analysis.ClaimRuns): the strategy and every fixed delta, on every task,
+    under ``conditions``, over the study's seeds."""
+    return ([plan.settings[(task, condition, arm)] for task in plan.tasks for condition in conditions
+             for arm in [strategy, *plan.fixed]], plan.seeds)
 
 
 def reward_loss(study, task: str, condition: str, arm: str) -> Dict[int, float]:
@@ -197,9 +206,10 @@ def claim_stable(study, strategy: str):
                            f"retention {strategy}": retention(study, task, condition, strategy)}))
     statement = (f"'{strategy}' stays stable where a fixed delta breaks (final held-out reward under stress below "
                  f"{study.cfg.adaptive.tolerance:.0%} of its default): smaller reward loss than each broken delta")
-    claim = an._claim(study, f"stable_{strategy}", statement, comparisons, "",
-                      "loss = final held-out reward at the default condition minus under the stress condition")
-    if not comparisons:
+    claim = an.make_claim(study, f"stable_{strategy}", statement, comparisons, "",
+                          "loss = final held-out reward at the default condition minus under the stress condition",
+                          runs=claim_runs(plan, strategy, plan.conditions))
+    if not comparisons and not is_not_run(claim.verdict):
         claim.note = "no fixed delta broke under any stress condition: nothing to be stable against"
     return claim
 

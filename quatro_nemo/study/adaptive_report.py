@@ -17,7 +17,8 @@ from quatro_nemo.study.analysis import (Study, claims_to_json, final_metric, loa
                                         peak_over_training)
 from quatro_nemo.study.config import DEFAULT_CONDITION, StudyConfig
 from quatro_nemo.study.plan import StudyPlan
-from quatro_nemo.study.report import _band, _claim_lines, _fmt, _info_lines, _save, _tp, _value, finish_frontier_panel
+from quatro_nemo.study.render import (band, claim_lines, finish_frontier_panel, fmt_stat, fmt_value, info_lines,
+                                      power_lines, save_figure, top_p_label)
 
 
 def _frontier_points(study: Study, task: str, kmax: int, key: str, top_p: float):
@@ -62,10 +63,10 @@ def plot_frontier(study: Study, kmax: int, path: str) -> bool:
                 ax.errorbar([x.mean], [y.mean], xerr=[x.std], yerr=[y.std], marker="D^sv"[i % 4], ms=7, ls="none",
                             color=f"C{i + 1}", label=arm)
                 drawn = True
-            finish_frontier_panel(ax, study, p, key, f"{task} reward: {key} vs pass@1, {_tp(p)}")
+            finish_frontier_panel(ax, study, p, key, f"{task} reward: {key} vs pass@1, {top_p_label(p)}")
     if drawn:
         axes[0, 0].legend(fontsize=7)
-    _save(fig, plt, path)
+    save_figure(fig, plt, path)
     return drawn
 
 
@@ -82,7 +83,7 @@ def plot_radius(study: Study, path: str) -> bool:
             for condition in plan.conditions:
                 curve = study.curve(plan.settings[(task, condition, strategy)], plan.seeds, "quatro/delta/mean")
                 if curve is not None:
-                    _band(ax, *curve, label=f"{strategy}, {condition}", color=f"C{color % 10}")
+                    band(ax, *curve, label=f"{strategy}, {condition}", color=f"C{color % 10}")
                     drawn = True
                 color += 1
         ax.set_yscale("log")
@@ -92,7 +93,7 @@ def plot_radius(study: Study, path: str) -> bool:
         ax.grid(alpha=0.3)
     if drawn:
         axes.flat[0].legend(fontsize=6)
-    _save(fig, plt, path)
+    save_figure(fig, plt, path)
     return drawn
 
 
@@ -114,7 +115,7 @@ def _arm_rows(study: Study, task: str, condition: str, kmax) -> List[List[str]]:
     rows = []
     for arm in plan.arms():
         setting = plan.settings[(task, condition, arm)]
-        s = lambda extract, digits=3: _fmt(study.stat(setting, plan.seeds, extract), digits)  # noqa: E731
+        s = lambda extract, digits=3: fmt_stat(study.stat(setting, plan.seeds, extract), digits)  # noqa: E731
         radius = f"{plan.fixed[arm]:g}" if arm in plan.fixed else s(mean_over_training("quatro/delta/mean"), 4)
         rows.append([arm, str(len(study.group(setting, plan.seeds)))] + [s(final_metric(k, p)) for k in keys]
                     + [s(final_metric("entropy", p)), radius,
@@ -153,7 +154,7 @@ def to_markdown(study: Study, claims: Sequence[Any], figures: Dict[str, str], in
              + (f" ({len(missing)} missing or failed: {', '.join(missing)})" if missing else "") + ". "
              f"Training config `{cfg.train_config}` with {' '.join(cfg.train_overrides) or 'no study-wide overrides'}; "
              f"default lr {plan.defaults.lr:g}, default K {plan.defaults.inner_loops}.", ""]
-    lines += _info_lines(cfg, info)
+    lines += info_lines(cfg, info)
     lines += [f"**Arms.** Fixed delta in {sorted(ad.fixed.values())}; strategies {strategies}, each one setting for "
               f"every task and condition. **Tasks** (`task.reward`): {', '.join(ad.tasks)}. **Conditions**: the default, "
               f"and the stress settings {stress}. **Seeds** {ad.seeds}, paired across arms (same warm-start, prompt "
@@ -161,15 +162,15 @@ def to_markdown(study: Study, claims: Sequence[Any], figures: Dict[str, str], in
               f"**Evaluation.** {cfg.evaluation.num_problems} held-out problems; {FULL_EVALUATION_NOTE} "
               f"({cfg.evaluation.n_samples} / {cfg.evaluation.sweep_n_samples or cfg.evaluation.n_samples} samples). "
               f"A response is correct when its reward is 1 (exact), on both tasks, so pass@k and UCC@k mean the same "
-              f"on both; the final reward of the graded task includes partial credit. Claims at {_tp(study.claim_top_p)}.",
+              f"on both; the final reward of the graded task includes partial credit. Claims at {top_p_label(study.claim_top_p)}.",
               "", "**Statistics.** Paired t test over seeds of per-seed differences (95% interval), Holm-corrected "
               f"within each claim, significant at Holm p < {cfg.alpha:g} (docs/study.md).", ""]
-    lines += ["## Claims", ""] + _claim_lines(claims)
+    lines += ["## Claims", ""] + claim_lines(claims) + power_lines(cfg, claims)
     for task in ad.tasks:
         lines += [f"## Task `{task}`", ""]
         for condition in ad.conditions:
             header, *rows = _arm_rows(study, task, condition, kmax)
-            lines += [f"### {condition} ({_tp(study.claim_top_p)})", ""] + _table(header, rows)
+            lines += [f"### {condition} ({top_p_label(study.claim_top_p)})", ""] + _table(header, rows)
         if len(ad.conditions) > 1:
             lines += _retention_lines(study, task)
     for key, title in (("frontier", "The accuracy / diversity frontier"), ("radius", "The adaptive radius over training")):
@@ -177,8 +178,8 @@ def to_markdown(study: Study, claims: Sequence[Any], figures: Dict[str, str], in
             lines += [f"## {title}", "", f"![{key}]({figures[key]})", ""]
     base = study.base.get(study.claim_top_p)
     if base and kmax:
-        lines += [f"Base model ({_tp(study.claim_top_p)}): pass@1 {_value(base.get('pass@1'))}, pass@{kmax} "
-                  f"{_value(base.get(f'pass@{kmax}'))}, UCC@{kmax} {_value(base.get(f'ucc@{kmax}'))}.", ""]
+        lines += [f"Base model ({top_p_label(study.claim_top_p)}): pass@1 {fmt_value(base.get('pass@1'))}, pass@{kmax} "
+                  f"{fmt_value(base.get(f'pass@{kmax}'))}, UCC@{kmax} {fmt_value(base.get(f'ucc@{kmax}'))}.", ""]
     return "\n".join(lines)
 
 
