@@ -80,8 +80,8 @@ def build_adaptive_plan(cfg: StudyConfig, defaults: Defaults) -> StudyPlan:
         for condition, values in conditions.items():
             common = dict(inner_loops=values.get("inner_loops"), lr_multiplier=float(values.get("lr_multiplier", 1.0)),
                           task_overrides=task_overrides(task))
-            arms = {arm: dict(delta=delta) for arm, delta in fixed.items()}
-            arms.update({name: dict(fields) for name, fields in ad.strategies.items()})
+            arms = {arm: dict(ad.common, delta=delta) for arm, delta in fixed.items()}
+            arms.update({name: {**ad.common, **fields} for name, fields in ad.strategies.items()})
             for arm, fields in arms.items():
                 setting = make_setting(defaults, QUATRO, **common, **fields)
                 settings[(task, condition, arm)] = setting
@@ -215,7 +215,8 @@ def claim_stable(study, strategy: str):
 
 
 def evaluate_adaptive_claims(study) -> list:
-    kmax = adaptive_kmax(study)
+    # no default-condition run finished: the frontier claims at the evaluation's n (NOT RUN, 0 seeds)
+    kmax = adaptive_kmax(study) or study.cfg.evaluation.n_samples
     plan: AdaptivePlan = study.plan.adaptive
     claims = []
     for strategy in plan.strategies:

@@ -14,11 +14,11 @@ from quatro_nemo.eval.tables import to_jsonable
 from quatro_nemo.study.adaptive import (FULL_EVALUATION_NOTE, AdaptivePlan, adaptive_kmax, evaluate_adaptive_claims,
                                         retention)
 from quatro_nemo.study.analysis import (Study, claims_to_json, final_metric, load_base, load_runs, mean_over_training,
-                                        peak_over_training)
+                                        peak_over_training, trust_region_rows, trust_region_to_json)
 from quatro_nemo.study.config import DEFAULT_CONDITION, StudyConfig
 from quatro_nemo.study.plan import StudyPlan
 from quatro_nemo.study.render import (band, claim_lines, finish_frontier_panel, fmt_stat, fmt_value, info_lines,
-                                      power_lines, save_figure, top_p_label)
+                                      plot_trust_region, power_lines, save_figure, top_p_label, trust_region_lines)
 
 
 def _frontier_points(study: Study, task: str, kmax: int, key: str, top_p: float):
@@ -104,6 +104,8 @@ def write_figures(study: Study, out_dir: str) -> Dict[str, str]:
         paths["frontier"] = "frontier.png"
     if plot_radius(study, os.path.join(out_dir, "radius.png")):
         paths["radius"] = "radius.png"
+    if plot_trust_region(study, trust_region_rows(study), os.path.join(out_dir, "trust_region.png")):
+        paths["trust_region"] = "trust_region.png"
     return paths
 
 
@@ -180,6 +182,7 @@ def to_markdown(study: Study, claims: Sequence[Any], figures: Dict[str, str], in
     if base and kmax:
         lines += [f"Base model ({top_p_label(study.claim_top_p)}): pass@1 {fmt_value(base.get('pass@1'))}, pass@{kmax} "
                   f"{fmt_value(base.get(f'pass@{kmax}'))}, UCC@{kmax} {fmt_value(base.get(f'ucc@{kmax}'))}.", ""]
+    lines += trust_region_lines(trust_region_rows(study), figures)
     return "\n".join(lines)
 
 
@@ -199,6 +202,9 @@ def write_adaptive_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out
                                     for c in ad.conditions[1:]} for task in ad.tasks},
                "runs": {name: {"finished": name in study.runs, "overrides": list(spec.overrides)}
                         for name, spec in plan.runs.items()}}
+    trust_region = trust_region_rows(study)
+    if trust_region:          # runs that logged the achieved KL (algorithm.log_achieved_kl)
+        summary["trust_region"] = trust_region_to_json(trust_region)
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
         json.dump(to_jsonable(summary), f, indent=1, allow_nan=False)
     paths = {"markdown": os.path.join(out_dir, "report.md"), "json": os.path.join(out_dir, "report.json"),

@@ -655,8 +655,12 @@ def quatro_delta(study: Study, setting: Setting) -> float:
 
 def trust_region_groups(study: Study) -> List[Tuple[str, str, Setting, Sequence[int]]]:
     """(part, label, setting, seeds) of the QUATRO settings whose achieved KL the report
-    tabulates: every delta of the delta sweep, and QUATRO and its arms at each stress point."""
+    tabulates: every delta of the delta sweep, and QUATRO and its arms at each stress point; in
+    an adaptive-delta study, every arm per task and condition."""
     plan = study.plan
+    if plan.adaptive is not None:
+        return [(f"{task}, {condition}", arm, setting, plan.adaptive.seeds)
+                for (task, condition, arm), setting in plan.adaptive.settings.items()]
     groups = [("deltas", f"delta={d:g}", s, plan.delta_seeds) for d, s in sorted(plan.deltas.items())]
     for point, settings in plan.stress.items():
         groups += [(point, name, s, plan.stress_seeds) for name, s in settings.items() if s.algorithm == QUATRO]
@@ -677,6 +681,12 @@ def trust_region_rows(study: Study) -> List[TrustRegionRow]:
                                        {column: study.stat(setting, seeds, extract)
                                         for column, extract in TRUST_REGION_COLUMNS.items()}))
     return rows
+
+
+def trust_region_to_json(rows: Sequence[TrustRegionRow]) -> List[Dict[str, Any]]:
+    return [{"part": r.part, "setting": r.label, "delta": r.delta, "runs": r.runs,
+             **{c: None if st is None else {"mean": st.mean, "std": st.std, "n": st.n} for c, st in r.stats.items()}}
+            for r in rows]
 
 
 # --------------------------------------------------------------------------------------------

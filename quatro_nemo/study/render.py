@@ -8,7 +8,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from quatro_nemo.eval.tables import markdown_table
-from quatro_nemo.study.analysis import Claim, Stat, Study
+from quatro_nemo.eval.plots import pyplot
+from quatro_nemo.study.analysis import (ACHIEVED_KL, TRUST_REGION_COLUMNS, Claim, Stat, Study, TrustRegionRow,
+                                        trust_region_groups)
 from quatro_nemo.study.stats import PairedTest, is_not_run, paired_power, seeds_for_power
 
 
@@ -136,4 +138,52 @@ def info_lines(cfg, info: Dict[str, Any]) -> List[str]:
         lines += [f"Runs collected from the sweep directory `{info['collected_from']}`.", ""]
     if info.get("scale_note"):
         lines += [f"**Scale.** {info['scale_note']}", ""]
+    return lines
+
+
+def plot_trust_region(study: Study, rows: Sequence[TrustRegionRow], path: str) -> bool:
+    """The achieved trust-region KL over training (mean ± std over seeds), one panel per part of
+    :func:`~quatro_nemo.study.analysis.trust_region_rows` (the delta sweep, each stress point),
+    one line per setting with its delta dashed in the same colour; log scale."""
+    parts = list(dict.fromkeys(row.part for row in rows))
+    if not parts:
+        return False
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(parts), figsize=(5.0 * len(parts), 3.8), squeeze=False)
+    groups = {(part, label): (setting, seeds) for part, label, setting, seeds in trust_region_groups(study)}
+    for ax, part in zip(axes.flat, parts):
+        for i, row in enumerate(r for r in rows if r.part == part):
+            setting, seeds = groups[(part, row.label)]
+            curve = study.curve(setting, seeds, ACHIEVED_KL)
+            if curve is not None:
+                band(ax, *curve, label=f"{row.label} (delta {row.delta:g})", color=f"C{i % 10}")
+            ax.axhline(row.delta, color=f"C{i % 10}", ls="--", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_xlabel("rollout step")
+        ax.set_ylabel("achieved trust-region KL (dashed: delta)")
+        ax.set_title("delta sweep" if part == "deltas" else f"stress point {part}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    save_figure(fig, plt, path)
+    return True
+
+
+def trust_region_lines(rows: Sequence[TrustRegionRow], figures: Dict[str, str]) -> List[str]:
+    """Issue 29: does QUATRO's radius bound the step? The achieved KL against delta per setting;
+    nothing when no run logged it (runs before ``algorithm.log_achieved_kl``)."""
+    if not rows:
+        return []
+    columns = list(TRUST_REGION_COLUMNS)
+    table = [[row.part, row.label, f"{row.delta:g}", str(row.runs)]
+             + [fmt_stat(row.stats[c], 3 if "/" in c or "multiplier" in c else 5) for c in columns] for row in rows]
+    lines = ["## The trust region where the step is taken", "",
+             "QUATRO's delta is the KL of each prompt's target pi* (Eq. 11); the step the optimizer takes towards it "
+             "is set by the learning rate. Per training step the loop measures the achieved trust-region KL of the "
+             "update (mean over the prompts whose rewards are not all equal; `trust_region/achieved_kl`), its largest "
+             "prompt's (`_max`) and achieved / delta. Per run: the median and the max over its training steps; each "
+             "cell mean ± std over seeds. With `lr_control=kl_adaptive` the learning rate is scaled so that the "
+             "achieved KL stays within [delta / 2, 2 delta] (algos/lr_control.py).", ""]
+    lines += markdown_table(["part", "setting", "delta", "runs"] + columns, table)
+    if "trust_region" in figures:
+        lines += [f"![trust region]({figures['trust_region']})", ""]
     return lines
