@@ -310,7 +310,9 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
               "baseline), PARTLY (against some, significantly opposed by none), NOT REPRODUCED (a significant effect "
               "in the opposite direction), EQUIVALENT (for a claim with a stated margin: no significant difference and "
               "every comparison inside the margin by two one-sided tests, Holm-adjusted), INCONCLUSIVE (no significant "
-              "difference: the intervals are wide), NOT TESTED (runs missing). Beside each 95% interval, the family's "
+              "difference: the intervals are wide), NOT TESTED (fewer than two paired seeds), NOT RUN (n of N seeds: "
+              "a study stopped before every run of the claim finished for every seed its design states; nothing is "
+              "decided on fewer). Beside each 95% interval, the family's "
               "simultaneous 95% interval, compatible with Holm (Strassburger & Bretz 2008: a comparison Holm rejects "
               "gets the half-line on its side of 0 unless the whole family is rejected). "
               "Tables show mean ± std over seeds.", ""]
