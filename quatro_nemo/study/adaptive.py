@@ -5,7 +5,8 @@ A study config with ``kind: adaptive`` (conf/study/adaptive.yaml) trains, for ea
 then every ``adaptive.stress`` setting: a larger learning rate, more inner loops) and each seed:
 QUATRO at every fixed delta of ``adaptive.fixed_deltas`` and with every strategy of
 ``adaptive.strategies`` (QuatroConfig fields, the same for every task and condition: no tuning
-per task). It answers two questions, each a claim per strategy with the study's paired
+per task), every arm with the QuatroConfig fields of ``adaptive.common`` too (e.g.
+``lr_control: kl_adaptive``, conf/study/adaptive_lr.yaml). It answers two questions, each a claim per strategy with the study's paired
 statistics (paired t over seeds, Holm within the claim, :mod:`quatro_nemo.study.stats`):
 
 - ``frontier_<strategy>``: does the strategy reach the best fixed delta's accuracy / diversity
