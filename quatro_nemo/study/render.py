@@ -11,7 +11,7 @@ from quatro_nemo.eval.tables import markdown_table
 from quatro_nemo.eval.plots import pyplot
 from quatro_nemo.study.analysis import (ACHIEVED_KL, TRUST_REGION_COLUMNS, Claim, Stat, Study, TrustRegionRow,
                                         trust_region_groups)
-from quatro_nemo.study.stats import PairedTest, is_not_run, paired_power, seeds_for_power
+from quatro_nemo.study.stats import NOT_TESTED, PairedTest, is_not_run, paired_power, seeds_for_power
 
 
 def fmt_stat(s: Optional[Stat], digits: int = 3) -> str:
@@ -94,11 +94,12 @@ def partial_study_lines(claims: Sequence[Claim]) -> List[str]:
     missing = [c for c in claims if is_not_run(c.verdict)]
     if not missing:
         return []
-    decided = [c.id for c in claims if not is_not_run(c.verdict)]
+    decided = [c.id for c in claims if not is_not_run(c.verdict) and c.verdict != NOT_TESTED]
+    untested = [c.id for c in claims if c.verdict == NOT_TESTED]
     return [f"**Partial study.** Decided from the runs present (every run of the claim finished for every seed its "
             f"design states): {', '.join(decided) or 'none'}. NOT RUN (fewer complete paired seeds than designed; "
             "not decided on fewer): " + ", ".join(f"{c.id} ({c.verdict[len('NOT RUN ('):-1]})" for c in missing)
-            + ".", ""]
+            + "." + (f" NOT TESTED (nothing to test in this design): {', '.join(untested)}." if untested else ""), ""]
 
 
 def power_lines(cfg, claims: Sequence[Claim]) -> List[str]:

@@ -94,6 +94,8 @@ def test_a_stopped_study_decides_the_complete_claims_and_marks_the_rest_not_run(
     assert "| stress_K4 |" in text and "**NOT RUN (1 of 2 seeds)**" in text
     partial = next(line for line in text.splitlines() if line.startswith("**Partial study.**"))
     assert "passk_at_kmax," in partial and "stress_K4 (1 of 2 seeds)" in partial
+    # the one-point sweeps have nothing to test: named apart, not as decided
+    assert partial.endswith("NOT TESTED (nothing to test in this design): stability_inner_loops, stability_lr.")
     # the power table lists a NOT RUN claim at its design: family 3, 2 seeds
     assert any(line.startswith("| stress_K4 | 3 | 2 |") for line in text.splitlines())
     summary = json.loads((directory / "report.json").read_text())
