@@ -5,7 +5,8 @@ A study config with ``kind: adaptive`` (conf/study/adaptive.yaml) trains, for ea
 then every ``adaptive.stress`` setting: a larger learning rate, more inner loops) and each seed:
 QUATRO at every fixed delta of ``adaptive.fixed_deltas`` and with every strategy of
 ``adaptive.strategies`` (QuatroConfig fields, the same for every task and condition: no tuning
-per task). It answers two questions, each a claim per strategy with the study's paired
+per task), every arm with the QuatroConfig fields of ``adaptive.common`` too (e.g.
+``lr_control: kl_adaptive``, conf/study/adaptive_lr.yaml). It answers two questions, each a claim per strategy with the study's paired
 statistics (paired t over seeds, Holm within the claim, :mod:`quatro_nemo.study.stats`):
 
 - ``frontier_<strategy>``: does the strategy reach the best fixed delta's accuracy / diversity
@@ -32,6 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 from quatro_nemo.study.config import DEFAULT_CONDITION, QUATRO, StudyConfig
 from quatro_nemo.study.plan import Defaults, RunSpec, Setting, StudyPlan, make_setting, run_overrides
+from quatro_nemo.study.stats import is_not_run
 
 FULL_EVALUATION_NOTE = "default-condition runs: full evaluation; stress runs: sweep_n_samples at the first top-p"
 
@@ -79,8 +81,8 @@ def build_adaptive_plan(cfg: StudyConfig, defaults: Defaults) -> StudyPlan:
         for condition, values in conditions.items():
             common = dict(inner_loops=values.get("inner_loops"), lr_multiplier=float(values.get("lr_multiplier", 1.0)),
                           task_overrides=task_overrides(task))
-            arms = {arm: dict(delta=delta) for arm, delta in fixed.items()}
-            arms.update({name: dict(fields) for name, fields in ad.strategies.items()})
+            arms = {arm: dict(ad.common, delta=delta) for arm, delta in fixed.items()}
+            arms.update({name: {**ad.common, **fields} for name, fields in ad.strategies.items()})
             for arm, fields in arms.items():
                 setting = make_setting(defaults, QUATRO, **common, **fields)
                 settings[(task, condition, arm)] = setting
@@ -148,9 +150,17 @@ def claim_frontier(study, strategy: str, kmax: int):
                                                               f"ucc@{kmax} {arm}": mean_of(study, other, ucc)}))
     statement = (f"'{strategy}' (one setting for every task) reaches the accuracy / diversity frontier of the best fixed "
                  f"delta tuned per task: pass@1 and pass@{kmax} (top-p {p:g}) not below it")
-    return an._claim(study, f"frontier_{strategy}", statement, comparisons, "",
-                     "best fixed delta chosen after the fact per task and metric (favours the fixed delta); "
-                     "INCONCLUSIVE means no significant difference, not equivalence: read the intervals")
+    return an.make_claim(study, f"frontier_{strategy}", statement, comparisons, "",
+                         "best fixed delta chosen after the fact per task and metric (favours the fixed delta); "
+                         "INCONCLUSIVE means no significant difference, not equivalence: read the intervals",
+                         runs=claim_runs(plan, strategy, plan.conditions[:1]))
+
+
+def claim_runs(plan: AdaptivePlan, strategy: str, conditions: List[str]):
+    """A claim's runs (analysis.ClaimRuns): the strategy and every fixed delta, on every task,
+    under ``conditions``, over the study's seeds."""
+    return ([plan.settings[(task, condition, arm)] for task in plan.tasks for condition in conditions
+             for arm in [strategy, *plan.fixed]], plan.seeds)
 
 
 def reward_loss(study, task: str, condition: str, arm: str) -> Dict[int, float]:
@@ -197,15 +207,17 @@ def claim_stable(study, strategy: str):
                            f"retention {strategy}": retention(study, task, condition, strategy)}))
     statement = (f"'{strategy}' stays stable where a fixed delta breaks (final held-out reward under stress below "
                  f"{study.cfg.adaptive.tolerance:.0%} of its default): smaller reward loss than each broken delta")
-    claim = an._claim(study, f"stable_{strategy}", statement, comparisons, "",
-                      "loss = final held-out reward at the default condition minus under the stress condition")
-    if not comparisons:
+    claim = an.make_claim(study, f"stable_{strategy}", statement, comparisons, "",
+                          "loss = final held-out reward at the default condition minus under the stress condition",
+                          runs=claim_runs(plan, strategy, plan.conditions))
+    if not comparisons and not is_not_run(claim.verdict):
         claim.note = "no fixed delta broke under any stress condition: nothing to be stable against"
     return claim
 
 
 def evaluate_adaptive_claims(study) -> list:
-    kmax = adaptive_kmax(study)
+    # no default-condition run finished: the frontier claims at the evaluation's n (NOT RUN, 0 seeds)
+    kmax = adaptive_kmax(study) or study.cfg.evaluation.n_samples
     plan: AdaptivePlan = study.plan.adaptive
     claims = []
     for strategy in plan.strategies:

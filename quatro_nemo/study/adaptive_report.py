@@ -14,10 +14,11 @@ from quatro_nemo.eval.tables import to_jsonable
 from quatro_nemo.study.adaptive import (FULL_EVALUATION_NOTE, AdaptivePlan, adaptive_kmax, evaluate_adaptive_claims,
                                         retention)
 from quatro_nemo.study.analysis import (Study, claims_to_json, final_metric, load_base, load_runs, mean_over_training,
-                                        peak_over_training)
+                                        peak_over_training, trust_region_rows, trust_region_to_json)
 from quatro_nemo.study.config import DEFAULT_CONDITION, StudyConfig
 from quatro_nemo.study.plan import StudyPlan
-from quatro_nemo.study.report import _band, _claim_lines, _fmt, _info_lines, _save, _tp, _value, finish_frontier_panel
+from quatro_nemo.study.render import (band, claim_lines, finish_frontier_panel, fmt_stat, fmt_value, info_lines,
+                                      plot_trust_region, power_lines, save_figure, top_p_label, trust_region_lines)
 
 
 def _frontier_points(study: Study, task: str, kmax: int, key: str, top_p: float):
@@ -62,10 +63,10 @@ def plot_frontier(study: Study, kmax: int, path: str) -> bool:
                 ax.errorbar([x.mean], [y.mean], xerr=[x.std], yerr=[y.std], marker="D^sv"[i % 4], ms=7, ls="none",
                             color=f"C{i + 1}", label=arm)
                 drawn = True
-            finish_frontier_panel(ax, study, p, key, f"{task} reward: {key} vs pass@1, {_tp(p)}")
+            finish_frontier_panel(ax, study, p, key, f"{task} reward: {key} vs pass@1, {top_p_label(p)}")
     if drawn:
         axes[0, 0].legend(fontsize=7)
-    _save(fig, plt, path)
+    save_figure(fig, plt, path)
     return drawn
 
 
@@ -82,7 +83,7 @@ def plot_radius(study: Study, path: str) -> bool:
             for condition in plan.conditions:
                 curve = study.curve(plan.settings[(task, condition, strategy)], plan.seeds, "quatro/delta/mean")
                 if curve is not None:
-                    _band(ax, *curve, label=f"{strategy}, {condition}", color=f"C{color % 10}")
+                    band(ax, *curve, label=f"{strategy}, {condition}", color=f"C{color % 10}")
                     drawn = True
                 color += 1
         ax.set_yscale("log")
@@ -92,7 +93,7 @@ def plot_radius(study: Study, path: str) -> bool:
         ax.grid(alpha=0.3)
     if drawn:
         axes.flat[0].legend(fontsize=6)
-    _save(fig, plt, path)
+    save_figure(fig, plt, path)
     return drawn
 
 
@@ -103,6 +104,8 @@ def write_figures(study: Study, out_dir: str) -> Dict[str, str]:
         paths["frontier"] = "frontier.png"
     if plot_radius(study, os.path.join(out_dir, "radius.png")):
         paths["radius"] = "radius.png"
+    if plot_trust_region(study, trust_region_rows(study), os.path.join(out_dir, "trust_region.png")):
+        paths["trust_region"] = "trust_region.png"
     return paths
 
 
@@ -114,7 +117,7 @@ def _arm_rows(study: Study, task: str, condition: str, kmax) -> List[List[str]]:
     rows = []
     for arm in plan.arms():
         setting = plan.settings[(task, condition, arm)]
-        s = lambda extract, digits=3: _fmt(study.stat(setting, plan.seeds, extract), digits)  # noqa: E731
+        s = lambda extract, digits=3: fmt_stat(study.stat(setting, plan.seeds, extract), digits)  # noqa: E731
         radius = f"{plan.fixed[arm]:g}" if arm in plan.fixed else s(mean_over_training("quatro/delta/mean"), 4)
         rows.append([arm, str(len(study.group(setting, plan.seeds)))] + [s(final_metric(k, p)) for k in keys]
                     + [s(final_metric("entropy", p)), radius,
@@ -153,7 +156,7 @@ def to_markdown(study: Study, claims: Sequence[Any], figures: Dict[str, str], in
              + (f" ({len(missing)} missing or failed: {', '.join(missing)})" if missing else "") + ". "
              f"Training config `{cfg.train_config}` with {' '.join(cfg.train_overrides) or 'no study-wide overrides'}; "
              f"default lr {plan.defaults.lr:g}, default K {plan.defaults.inner_loops}.", ""]
-    lines += _info_lines(cfg, info)
+    lines += info_lines(cfg, info)
     lines += [f"**Arms.** Fixed delta in {sorted(ad.fixed.values())}; strategies {strategies}, each one setting for "
               f"every task and condition. **Tasks** (`task.reward`): {', '.join(ad.tasks)}. **Conditions**: the default, "
               f"and the stress settings {stress}. **Seeds** {ad.seeds}, paired across arms (same warm-start, prompt "
@@ -161,15 +164,15 @@ def to_markdown(study: Study, claims: Sequence[Any], figures: Dict[str, str], in
               f"**Evaluation.** {cfg.evaluation.num_problems} held-out problems; {FULL_EVALUATION_NOTE} "
               f"({cfg.evaluation.n_samples} / {cfg.evaluation.sweep_n_samples or cfg.evaluation.n_samples} samples). "
               f"A response is correct when its reward is 1 (exact), on both tasks, so pass@k and UCC@k mean the same "
-              f"on both; the final reward of the graded task includes partial credit. Claims at {_tp(study.claim_top_p)}.",
+              f"on both; the final reward of the graded task includes partial credit. Claims at {top_p_label(study.claim_top_p)}.",
               "", "**Statistics.** Paired t test over seeds of per-seed differences (95% interval), Holm-corrected "
               f"within each claim, significant at Holm p < {cfg.alpha:g} (docs/study.md).", ""]
-    lines += ["## Claims", ""] + _claim_lines(claims)
+    lines += ["## Claims", ""] + claim_lines(claims) + power_lines(cfg, claims)
     for task in ad.tasks:
         lines += [f"## Task `{task}`", ""]
         for condition in ad.conditions:
             header, *rows = _arm_rows(study, task, condition, kmax)
-            lines += [f"### {condition} ({_tp(study.claim_top_p)})", ""] + _table(header, rows)
+            lines += [f"### {condition} ({top_p_label(study.claim_top_p)})", ""] + _table(header, rows)
         if len(ad.conditions) > 1:
             lines += _retention_lines(study, task)
     for key, title in (("frontier", "The accuracy / diversity frontier"), ("radius", "The adaptive radius over training")):
@@ -177,8 +180,9 @@ def to_markdown(study: Study, claims: Sequence[Any], figures: Dict[str, str], in
             lines += [f"## {title}", "", f"![{key}]({figures[key]})", ""]
     base = study.base.get(study.claim_top_p)
     if base and kmax:
-        lines += [f"Base model ({_tp(study.claim_top_p)}): pass@1 {_value(base.get('pass@1'))}, pass@{kmax} "
-                  f"{_value(base.get(f'pass@{kmax}'))}, UCC@{kmax} {_value(base.get(f'ucc@{kmax}'))}.", ""]
+        lines += [f"Base model ({top_p_label(study.claim_top_p)}): pass@1 {fmt_value(base.get('pass@1'))}, pass@{kmax} "
+                  f"{fmt_value(base.get(f'pass@{kmax}'))}, UCC@{kmax} {fmt_value(base.get(f'ucc@{kmax}'))}.", ""]
+    lines += trust_region_lines(trust_region_rows(study), figures)
     return "\n".join(lines)
 
 
@@ -198,6 +202,9 @@ def write_adaptive_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out
                                     for c in ad.conditions[1:]} for task in ad.tasks},
                "runs": {name: {"finished": name in study.runs, "overrides": list(spec.overrides)}
                         for name, spec in plan.runs.items()}}
+    trust_region = trust_region_rows(study)
+    if trust_region:          # runs that logged the achieved KL (algorithm.log_achieved_kl)
+        summary["trust_region"] = trust_region_to_json(trust_region)
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
         json.dump(to_jsonable(summary), f, indent=1, allow_nan=False)
     paths = {"markdown": os.path.join(out_dir, "report.md"), "json": os.path.join(out_dir, "report.json"),

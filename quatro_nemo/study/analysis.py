@@ -27,7 +27,7 @@ import torch
 from quatro_nemo.algos import solve_dual
 from quatro_nemo.study.config import QUATRO, StudyConfig
 from quatro_nemo.study.plan import Setting, StudyPlan, holds
-from quatro_nemo.study.stats import (NOT_TESTED, Comparison, PairedTest, decide, exact_verdict, paired_differences,
+from quatro_nemo.study.stats import (NOT_TESTED, Comparison, PairedTest, decide, exact_verdict, not_run, paired_differences,
                                      paired_t)
 
 METRICS_DIR = "metrics"              # <study>/metrics/<run>.jsonl.gz: what the report is built from
@@ -145,6 +145,13 @@ def peak_over_training(key: str) -> Extract:
     return extract
 
 
+def median_over_training(key: str) -> Extract:
+    def extract(run: RunData) -> Optional[float]:
+        values = finite_values(r.get(key) for r in run.train)
+        return float(np.median(values)) if values else None
+    return extract
+
+
 @dataclass
 class Stat:
     """Mean over seeds with the sample std and the 95% t interval of the mean."""
@@ -191,6 +198,12 @@ class Study:
 
     def group(self, setting: Setting, seeds: Sequence[int]) -> List[RunData]:
         return [self.runs[s.name] for s in self.plan.runs_of(setting, seeds) if s.name in self.runs]
+
+    def complete_seeds(self, settings: Sequence[Setting], seeds: Sequence[int]) -> List[int]:
+        """The seeds of ``seeds`` for which every setting of ``settings`` has a finished run (the
+        complete pairs of a claim's comparisons)."""
+        return [seed for seed in seeds
+                if all(spec.name in self.runs for setting in settings for spec in self.plan.runs_of(setting, [seed]))]
 
     def stat(self, setting: Setting, seeds: Sequence[int], extract: Extract) -> Optional[Stat]:
         return stat(list(self.by_seed(setting, seeds, extract).values()))
@@ -244,6 +257,8 @@ class Claim:
     comparisons: List[Comparison] = field(default_factory=list)
     note: str = ""
     margin: Optional[float] = None  # the stated equivalence margin (TOST), if the claim has one
+    family_size: int = 0            # comparisons in the claim's Holm family (also when NOT RUN)
+    design_seeds: Optional[int] = None   # the paired seeds its design states (None: not stated)
 
 
 def paired_comparison(label: str, better: Mapping[int, float], other: Mapping[int, float],
@@ -263,15 +278,28 @@ def _count_line(comparisons: Sequence[Comparison]) -> str:
             + (f", equivalent vs {equivalent}/{n}" if equivalent else ""))
 
 
-def _claim(study: Study, claim_id: str, statement: str, comparisons: List[Comparison], summary: str,
-           note: str = "") -> Claim:
+# A claim's runs: the settings its comparisons read and the seeds its design states for them.
+ClaimRuns = Tuple[Sequence[Setting], Sequence[int]]
+
+
+def make_claim(study: Study, claim_id: str, statement: str, comparisons: List[Comparison], summary: str,
+               note: str = "", runs: Optional[ClaimRuns] = None) -> Claim:
     """Decide the claim's family (stats.decide), with the equivalence margin the study config
-    states for this claim id, if any (``equivalence_margins``)."""
+    states for this claim id, if any (``equivalence_margins``). With ``runs`` (settings, designed
+    seeds): a claim whose runs are finished for fewer seeds than designed is ``NOT RUN (n of N
+    seeds)`` (stats.not_run), n the seeds with every run finished, and nothing is decided."""
     margin = study.cfg.equivalence_margins.get(claim_id)
+    designed = None if runs is None else len(runs[1])
+    if runs is not None:
+        complete = len(study.complete_seeds(*runs))
+        if complete < designed:
+            return Claim(claim_id, statement, not_run(complete, designed),
+                         f"finished for {complete} of the design's {designed} seeds: not decided", [], note, margin,
+                         len(comparisons), designed)
     verdict = decide(comparisons, study.cfg.alpha, margin)
     if comparisons and verdict != NOT_TESTED:
         summary = f"{summary}; {_count_line(comparisons)}" if summary else _count_line(comparisons)
-    return Claim(claim_id, statement, verdict, summary, comparisons, note, margin)
+    return Claim(claim_id, statement, verdict, summary, comparisons, note, margin, len(comparisons), designed)
 
 
 def families(study: Study, claim_id: str) -> List[Tuple[str, List[str]]]:
@@ -306,7 +334,15 @@ def claim_higher_than_baselines(study: Study, claim_id: str, statement: str, ext
         comparisons.append(paired_comparison(name, quatro, other, **detail))
     s = stat(list(quatro.values()))
     summary = "" if s is None else f"QUATRO {metric_name} {s.mean:.4f} ± {s.std:.4f} (n={s.n})"
-    return _claim(study, claim_id, statement, comparisons, summary)
+    return make_claim(study, claim_id, statement, comparisons, summary, runs=main_runs(study, baselines))
+
+
+def main_runs(study: Study, baselines: Optional[Sequence[str]]) -> ClaimRuns:
+    """A main-comparison claim's runs: QUATRO and ``baselines`` (None: every method) at the
+    default settings, over the main comparison's seeds."""
+    plan = study.plan
+    names = [n for n in plan.compare if n == QUATRO or baselines is None or n in baselines]
+    return [plan.compare[n] for n in names], plan.seeds
 
 
 def _mean(values: Mapping[int, float]) -> Optional[float]:
@@ -328,8 +364,8 @@ def claim_gain_grows_with_k(study: Study, kmax: int, claim_id: str = "passk_gain
         gain_lo = dict(zip(*_paired(q_lo, b_lo)))
         comparisons.append(paired_comparison(name, gain_hi, gain_lo, **{"gain@1": _mean(gain_lo),
                                                                         f"gain@{kmax}": _mean(gain_hi)}))
-    return _claim(study, claim_id,
-                  f"QUATRO's Pass@k gain over each baseline grows with k (k=1 -> k={kmax})", comparisons, "")
+    return make_claim(study, claim_id, f"QUATRO's Pass@k gain over each baseline grows with k (k=1 -> k={kmax})",
+                      comparisons, "", runs=main_runs(study, baselines))
 
 
 def _paired(a: Mapping[int, float], b: Mapping[int, float]) -> Tuple[List[int], List[float]]:
@@ -375,9 +411,9 @@ def claim_stability(study: Study, claim_id: str, statement: str, sweep: Dict[str
                                              baseline_loss=_mean(baseline), **detail))
     summary = "" if not mine else (f"QUATRO's mean held-out reward loss over {axis_name} != {default:g}: "
                                    f"{_mean(mine):+.4f}")
-    return _claim(study, claim_id, statement, comparisons, summary,
-                  "loss = reward at the default minus reward at a point, averaged over the axis's other points "
-                  "that both methods ran")
+    return make_claim(study, claim_id, statement, comparisons, summary,
+                      "loss = reward at the default minus reward at a point, averaged over the axis's other points "
+                      "that both methods ran", runs=([s for axis in sweep.values() for s in axis.values()], seeds))
 
 
 def claim_at_stress_point(study: Study, point: str) -> Claim:
@@ -396,10 +432,11 @@ def claim_at_stress_point(study: Study, point: str) -> Claim:
                                           baseline=_mean(values[b])) for b in [*baselines, QUATRO]]
     where = ", ".join(f"{k} {v:g}" for k, v in study.cfg.stress.points[point].items())
     summary = ", ".join(f"{name} {_mean(v):.4f}" for name, v in values.items() if v)
-    return _claim(study, f"stress_{point}", f"At the stress point {point} ({where}) QUATRO keeps a higher final "
-                  f"held-out reward than every baseline (top-p {study.claim_top_p:g})", comparisons,
-                  f"final held-out reward: {summary}" if summary else "",
-                  "tested at this point alone (fixed, not searched); arms vs every baseline and vs QUATRO")
+    return make_claim(study, f"stress_{point}", f"At the stress point {point} ({where}) QUATRO keeps a higher final "
+                      f"held-out reward than every baseline (top-p {study.claim_top_p:g})", comparisons,
+                      f"final held-out reward: {summary}" if summary else "",
+                      "tested at this point alone (fixed, not searched); arms vs every baseline and vs QUATRO",
+                      runs=(list(settings.values()), seeds))
 
 
 MATCH_WINDOW = 5     # rollout steps averaged for a checkpoint's rollout reward / KL-to-reference
@@ -455,10 +492,11 @@ def claim_matched(study: Study, claim_id: str, x_key: str, x_name: str, y_key: s
         diffs = {s: matched_difference(curves[QUATRO][s], curves[name][s]) for s in curves[QUATRO] if s in curves[name]}
         diffs = {s: d for s, d in diffs.items() if d is not None}
         comparisons.append(paired_comparison(name, diffs, {s: 0.0 for s in diffs}))
-    return _claim(study, claim_id, f"QUATRO keeps a higher held-out {y_key} than each baseline at matched {x_name} "
-                  f"(held-out checkpoints every {study.cfg.checkpoints.every} steps, top-p {study.claim_top_p:g})",
-                  comparisons, "", f"per seed, at the highest {x_name} both runs reached (mean over the "
-                  f"{MATCH_WINDOW} rollout steps before a checkpoint), each run's held-out value interpolated there")
+    return make_claim(study, claim_id, f"QUATRO keeps a higher held-out {y_key} than each baseline at matched {x_name} "
+                      f"(held-out checkpoints every {study.cfg.checkpoints.every} steps, top-p {study.claim_top_p:g})",
+                      comparisons, "", f"per seed, at the highest {x_name} both runs reached (mean over the "
+                      f"{MATCH_WINDOW} rollout steps before a checkpoint), each run's held-out value interpolated there",
+                      runs=main_runs(study, baselines))
 
 
 def claim_logratio(study: Study) -> Claim:
@@ -484,7 +522,8 @@ def claim_logratio(study: Study) -> Claim:
         if r_with and r_without and k_with and k_without:
             parts.append(f"{statistic}: final reward {_mean(r_with):.4f} vs none {_mean(r_without):.4f}; mean "
                          f"KL-to-old {_mean(k_with):.3g} vs none {_mean(k_without):.3g}")
-    return _claim(study, "logratio_ablation", statement, comparisons, "; ".join(parts))
+    return make_claim(study, "logratio_ablation", statement, comparisons, "; ".join(parts),
+                      runs=(list(plan.ablation.values()), seeds))
 
 
 def claim_lambda_vs_delta(study: Study) -> Claim:
@@ -495,8 +534,8 @@ def claim_lambda_vs_delta(study: Study) -> Claim:
     comparisons = [paired_comparison(f"lambda(delta={d1:g}) - lambda(delta={d2:g})", values[d1], values[d2])
                    for (d1, _), (d2, _) in zip(ordered, ordered[1:])]
     summary = ", ".join(f"delta={d:g}: mean lambda {_mean(v):.4f}" for d, v in values.items() if v)
-    return _claim(study, "lambda_vs_delta", "Smaller delta gives larger lambda throughout training (App. C.1, Fig. I right)",
-                  comparisons, summary)
+    return make_claim(study, "lambda_vs_delta", "Smaller delta gives larger lambda throughout training (App. C.1, "
+                      "Fig. I right)", comparisons, summary, runs=([s for _, s in ordered], plan.delta_seeds))
 
 
 def advantage_table(deltas: Sequence[float], n: int, lambda_min: float) -> Dict[float, Dict[str, List[float]]]:
@@ -539,7 +578,8 @@ def claim_advantage_vs_correct(table: Dict[float, Dict[str, List[float]]]) -> Cl
 
 
 def evaluate_claims(study: Study, advantages: Dict[float, Dict[str, List[float]]]) -> List[Claim]:
-    kmax, p = study.kmax(), study.claim_top_p
+    # no main-comparison run finished: the held-out claims at the evaluation's n (NOT RUN, 0 seeds)
+    kmax, p = study.kmax() or (study.cfg.evaluation.n_samples if study.plan.compare else None), study.claim_top_p
     claims: List[Claim] = []
 
     def per_family(claim_id: str, make: Callable[[str, List[str]], Claim]) -> None:
@@ -577,6 +617,76 @@ def evaluate_claims(study: Study, advantages: Dict[float, Dict[str, List[float]]
     claims.append(claim_lambda_vs_delta(study))
     claims.append(claim_advantage_vs_correct(advantages))
     return claims
+
+
+# --------------------------------------------------------------------------------------------
+# Reported (not claimed): the trust region where the step is taken (issue 29)
+# --------------------------------------------------------------------------------------------
+
+ACHIEVED_KL = "trust_region/achieved_kl"              # per step: mean over the informative prompts
+ACHIEVED_KL_MAX = "trust_region/achieved_kl_max"      # per step: the largest prompt's
+ACHIEVED_OVER_DELTA = "trust_region/achieved_over_delta"   # per step: achieved KL / the step's delta
+LR_MULTIPLIER = "trust_region/lr_multiplier"          # per step: lr_control=kl_adaptive's multiplier
+
+# column -> the per-run statistic over training steps (each cell: mean ± std over seeds)
+TRUST_REGION_COLUMNS: Dict[str, Extract] = {
+    "median achieved KL": median_over_training(ACHIEVED_KL),
+    "max achieved KL": peak_over_training(ACHIEVED_KL),
+    "max per-prompt KL": peak_over_training(ACHIEVED_KL_MAX),
+    "median achieved / delta": median_over_training(ACHIEVED_OVER_DELTA),
+    "max achieved / delta": peak_over_training(ACHIEVED_OVER_DELTA),
+    "median lr multiplier": median_over_training(LR_MULTIPLIER),
+}
+
+
+@dataclass
+class TrustRegionRow:
+    part: str                      # "deltas" or the stress point's name
+    label: str                     # the setting (delta=0.1, or the method / arm at the point)
+    delta: float                   # the setting's configured radius
+    runs: int                      # runs with the per-step achieved KL logged
+    stats: Dict[str, Optional[Stat]]   # TRUST_REGION_COLUMNS -> per-run statistic over seeds
+
+
+def quatro_delta(study: Study, setting: Setting) -> float:
+    """The configured radius of a QUATRO setting (its override, else QUATRO's default)."""
+    return float(dict(setting.algo_overrides).get("delta", study.plan.defaults.algorithm_fields[QUATRO]["delta"]))
+
+
+def trust_region_groups(study: Study) -> List[Tuple[str, str, Setting, Sequence[int]]]:
+    """(part, label, setting, seeds) of the QUATRO settings whose achieved KL the report
+    tabulates: every delta of the delta sweep, and QUATRO and its arms at each stress point; in
+    an adaptive-delta study, every arm per task and condition."""
+    plan = study.plan
+    if plan.adaptive is not None:
+        return [(f"{task}, {condition}", arm, setting, plan.adaptive.seeds)
+                for (task, condition, arm), setting in plan.adaptive.settings.items()]
+    groups = [("deltas", f"delta={d:g}", s, plan.delta_seeds) for d, s in sorted(plan.deltas.items())]
+    for point, settings in plan.stress.items():
+        groups += [(point, name, s, plan.stress_seeds) for name, s in settings.items() if s.algorithm == QUATRO]
+    return groups
+
+
+def trust_region_rows(study: Study) -> List[TrustRegionRow]:
+    """Issue 29: how far each QUATRO update moved against the radius it was given, from the
+    per-step ``trust_region/*`` metrics (algos/step_state.py); one row per setting of
+    :func:`trust_region_groups` that has them. Each column is a statistic of a run's training
+    steps (median, max), then mean ± std over its seeds; achieved / delta is the ratio the loop
+    logged per step (the step's own delta)."""
+    rows = []
+    for part, label, setting, seeds in trust_region_groups(study):
+        logged = study.by_seed(setting, seeds, median_over_training(ACHIEVED_KL))
+        if logged:
+            rows.append(TrustRegionRow(part, label, quatro_delta(study, setting), len(logged),
+                                       {column: study.stat(setting, seeds, extract)
+                                        for column, extract in TRUST_REGION_COLUMNS.items()}))
+    return rows
+
+
+def trust_region_to_json(rows: Sequence[TrustRegionRow]) -> List[Dict[str, Any]]:
+    return [{"part": r.part, "setting": r.label, "delta": r.delta, "runs": r.runs,
+             **{c: None if st is None else {"mean": st.mean, "std": st.std, "n": st.n} for c, st in r.stats.items()}}
+            for r in rows]
 
 
 # --------------------------------------------------------------------------------------------

@@ -371,6 +371,8 @@ class AdaptiveStudyConfig:
     tasks: List[str] = field(default_factory=lambda: list(REWARD_KINDS))     # task.reward values
     fixed_deltas: List[float] = field(default_factory=lambda: [0.02, 0.05, 0.1, 0.2])
     strategies: Dict[str, Dict[str, Any]] = field(default_factory=_default_strategies)  # name -> QuatroConfig fields
+    # QuatroConfig fields every arm (fixed deltas and strategies) shares, e.g. {lr_control: kl_adaptive}
+    common: Dict[str, Any] = field(default_factory=dict)
     stress: Dict[str, Dict[str, Any]] = field(default_factory=_default_stress)  # name -> inner_loops / lr_multiplier
     seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
     # an arm breaks under a stress condition when its mean final held-out reward there is below
@@ -383,6 +385,15 @@ class AdaptiveStudyConfig:
         _check_positive("adaptive.fixed_deltas", self.fixed_deltas, integer=False)
         if len(set(self.fixed_deltas)) < 2:
             raise StudyConfigError(f"adaptive.fixed_deltas needs at least two radii (a frontier), got {self.fixed_deltas}")
+        if not isinstance(self.common, dict):
+            raise StudyConfigError(f"adaptive.common must be a mapping of QuatroConfig fields, got {self.common!r}")
+        shared = [key for key in self.common if key in ("delta", "delta_controller", "delta_per_query")]
+        if shared:
+            raise StudyConfigError(f"adaptive.common must not set the radius, which the arms differ by: {shared}")
+        try:
+            QuatroConfig.from_dict(dict(self.common), source="adaptive.common")
+        except ValueError as exc:
+            raise StudyConfigError(f"adaptive.common: {exc}") from exc
         if not isinstance(self.strategies, dict) or not self.strategies:
             raise StudyConfigError(f"adaptive.strategies must map names to QuatroConfig fields, got {self.strategies!r}")
         for name, fields in self.strategies.items():
@@ -390,7 +401,7 @@ class AdaptiveStudyConfig:
             if not isinstance(fields, dict):
                 raise StudyConfigError(f"{key} must be a mapping of QuatroConfig fields, got {fields!r}")
             try:
-                config = QuatroConfig.from_dict(fields, source=key)
+                config = QuatroConfig.from_dict({**self.common, **fields}, source=key)
             except ValueError as exc:
                 raise StudyConfigError(f"{key}: {exc}") from exc
             if not config.adaptive_delta:

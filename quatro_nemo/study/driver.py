@@ -178,7 +178,7 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
     # The warm-start cache is built once, here by the base evaluation or else by the fork server's
     # preload (execute(preload=True)), before any run is forked: never by concurrent runs.
     ensure_base_evaluation(cfg, out_dir, log)
-    runs = sorted(plan.runs.values(), key=lambda spec: start_order(plan, spec))
+    runs = start_order(cfg, plan)
     try:
         results = execute(runs, out_dir, base, cfg.workers, log=log, preload=True,
                           evaluation_args=lambda spec: evaluation_args(cfg, plan.needs_full_evaluation(spec)),
@@ -206,14 +206,39 @@ def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print
     return out
 
 
-def start_order(plan: StudyPlan, spec: RunSpec) -> tuple:
-    """Sort key of the runs at the start: the sweeps' default runs (K = 1, lr x 1, sweep seeds)
-    first, since a search adds a method's next points only once they are done; then heavier runs
-    (more inner loops) first, so that the last minutes are not one long run alone. Runs a search
-    adds later start before the remaining ones (runner.execute)."""
-    defaults = {axis[x] for sweep, x in ((plan.sweep_inner, 1), (plan.sweep_lr, 1.0))
-                for axis in sweep.values() if x in axis}
-    return (not (spec.setting in defaults and spec.seed in plan.sweep_seeds), -spec.setting.inner_loops)
+def start_order(cfg: StudyConfig, plan: StudyPlan) -> List[RunSpec]:
+    """The runs in the order they start, by claim priority, seed-major, so that a study stopped
+    at any point has decided what matters first and every method of a family has the same seeds:
+
+    1. the primary family (QUATRO and ``primary_baselines`` at the default; every compared method
+       when there is no primary family): seed 1 of each, then seed 2, ...;
+    2. the secondary family (the other compared methods), seed-major;
+    3. the stress points (every method and arm of every point), seed-major;
+    4. the rest (sweeps, ablation, deltas, an adaptive study's arms), seed-major, the sweeps'
+       default runs first within a seed (a search adds a method's next points only once they are
+       done) and heavier runs (more inner loops) before lighter ones.
+
+    A run in two parts takes its earlier place. Runs a search adds later start before the
+    remaining ones (runner.execute)."""
+    primary = {QUATRO, *cfg.primary_baselines} if cfg.primary_baselines else set(plan.compare)
+    tiers: Dict[str, tuple] = {}        # run name -> (tier, seed, place in the tier's method order)
+
+    def rank(tier: int, settings: List, seeds: List[int]) -> None:
+        for place, setting in enumerate(settings):
+            for spec in plan.runs_of(setting, seeds):
+                tiers[spec.name] = min(tiers.get(spec.name, (tier, spec.seed, place)), (tier, spec.seed, place))
+
+    rank(0, [s for a, s in plan.compare.items() if a in primary], plan.seeds)
+    rank(1, [s for a, s in plan.compare.items() if a not in primary], plan.seeds)
+    rank(2, [s for point in plan.stress.values() for s in point.values()], plan.stress_seeds)
+    sweep_defaults = {axis[x] for sweep, x in ((plan.sweep_inner, 1), (plan.sweep_lr, 1.0))
+                      for axis in sweep.values() if x in axis}
+
+    def key(spec: RunSpec) -> tuple:
+        if spec.name in tiers:
+            return tiers[spec.name]
+        return (3, spec.seed, (spec.setting not in sweep_defaults, -spec.setting.inner_loops))
+    return sorted(plan.runs.values(), key=key)     # stable: plan order within equal keys
 
 
 def _count_done(results: List[RunResult]) -> int:

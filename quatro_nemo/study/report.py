@@ -6,59 +6,24 @@ same metrics writes the same report.md and report.json byte for byte.
 from __future__ import annotations
 
 import json
-import math
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from quatro_nemo.eval.plots import pyplot
 from quatro_nemo.eval.tables import markdown_table as _table
 from quatro_nemo.eval.tables import to_jsonable
-from quatro_nemo.study.analysis import (Claim, Stat, Study, breaking_points, claims_to_json, entropy_retention,
-                                        final_metric, identical_methods, ks_of, mean_over_training, peak_over_training,
-                                        plateau, window_mean)
-from quatro_nemo.study.stats import PairedTest, paired_power, seeds_for_power
-
-
-def _fmt(s: Optional[Stat], digits: int = 3) -> str:
-    """mean ± std over seeds (the report's tables; the claims carry the 95% intervals)."""
-    if s is None:
-        return "-"
-    return f"{s.mean:.{digits}f}" if s.n == 1 else f"{s.mean:.{digits}f} ± {s.std:.{digits}f}"
-
-
-def _value(x: Any, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _interval(bounds: Optional[Tuple[float, float]]) -> str:
-    """A simultaneous interval (stats.simultaneous_intervals); an infinite end as -inf / +inf."""
-    if bounds is None:
-        return "-"
-    return "[" + ", ".join(f"{b:+.4f}" if math.isfinite(b) else ("+inf" if b > 0 else "-inf") for b in bounds) + "]"
-
-
-def _tp(top_p: float) -> str:
-    return f"top-p {top_p:g}"
+from quatro_nemo.study.analysis import (Claim, Study, breaking_points, claims_to_json, entropy_retention, final_metric,
+                                        identical_methods, ks_of, mean_over_training, peak_over_training, plateau,
+                                        trust_region_rows, trust_region_to_json, window_mean)
+from quatro_nemo.study.render import (band, claim_lines, finish_frontier_panel, fmt_stat, fmt_value, info_lines,
+                                      plot_trust_region, power_lines, save_figure, top_p_label, trust_region_lines)
 
 
 # --------------------------------------------------------------------------------------------
 # Figures
 # --------------------------------------------------------------------------------------------
-
-
-def _band(ax, x, mean, std, label, color):
-    """A mean line with a +-1 std band; one colour per method/setting in every panel."""
-    ax.plot(x, mean, marker="o", ms=3, label=label, color=color)
-    if np.any(std > 0):
-        ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.15)
-
-
-def _save(fig, plt, path: str) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
 
 
 def plot_at_k(study: Study, prefix: str, ylabel: str, path: str) -> bool:
@@ -72,17 +37,17 @@ def plot_at_k(study: Study, prefix: str, ylabel: str, path: str) -> bool:
             pairs = [(k, study.stat(setting, study.plan.seeds, final_metric(f"{prefix}{k}", top_p))) for k in ks]
             pairs = [(k, s) for k, s in pairs if s is not None]
             if pairs:
-                _band(ax, [k for k, _ in pairs], np.array([s.mean for _, s in pairs]),
+                band(ax, [k for k, _ in pairs], np.array([s.mean for _, s in pairs]),
                       np.array([s.std for _, s in pairs]), name, f"C{i}")
                 drawn = True
         ax.set_xscale("log", base=2)
         ax.set_xlabel("k")
         ax.set_ylabel(ylabel)
-        ax.set_title(_tp(top_p), fontsize=9)
+        ax.set_title(top_p_label(top_p), fontsize=9)
         ax.grid(alpha=0.3)
     if drawn:
         axes.flat[0].legend(fontsize=7)
-    _save(fig, plt, path)
+    save_figure(fig, plt, path)
     return drawn
 
 
@@ -105,22 +70,11 @@ def plot_frontier(study: Study, kmax: int, path: str) -> bool:
             ax.errorbar([x.mean], [y.mean], xerr=[x.std], yerr=[y.std], marker=marker, ms=5, ls="none",
                         color=f"C{i % 10}", label=label)
             drawn = True
-        finish_frontier_panel(ax, study, top_p, key, f"{key} vs pass@1, {_tp(top_p)}")
+        finish_frontier_panel(ax, study, top_p, key, f"{key} vs pass@1, {top_p_label(top_p)}")
     if drawn:
         axes.flat[0].legend(fontsize=6)
-    _save(fig, plt, path)
+    save_figure(fig, plt, path)
     return drawn
-
-
-def finish_frontier_panel(ax, study: Study, top_p: float, key: str, title: str) -> None:
-    """A (pass@1, ``key``) frontier panel's base-model star, axis labels, title and grid."""
-    base = study.base.get(top_p)
-    if base and key in base:
-        ax.plot([base["pass@1"]], [base[key]], marker="*", ms=10, color="k", ls="none", label="base model")
-    ax.set_xlabel("pass@1")
-    ax.set_ylabel(key)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
 
 
 def plot_curves(study: Study, settings: Dict[str, Any], seeds: Sequence[int], keys: Sequence[str],
@@ -132,14 +86,14 @@ def plot_curves(study: Study, settings: Dict[str, Any], seeds: Sequence[int], ke
         for i, (label, setting) in enumerate(settings.items()):
             curve = study.curve(setting, seeds, key)
             if curve is not None:
-                _band(ax, *curve, label=str(label), color=f"C{i % 10}")
+                band(ax, *curve, label=str(label), color=f"C{i % 10}")
                 drawn = True
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("rollout step")
         ax.grid(alpha=0.3)
     if drawn:
         axes.flat[0].legend(fontsize=7)
-    _save(fig, plt, path)
+    save_figure(fig, plt, path)
     return drawn
 
 
@@ -155,7 +109,7 @@ def plot_sweep(study: Study, sweep: Dict[str, Dict[Any, Any]], axis_label: str, 
             points = [(x, study.stat(s, study.plan.sweep_seeds, extract)) for x, s in sorted(axis.items())]
             points = [(x, s) for x, s in points if s is not None]
             if points:
-                _band(ax, [x for x, _ in points], np.array([s.mean for _, s in points]),
+                band(ax, [x for x, _ in points], np.array([s.mean for _, s in points]),
                       np.array([s.std for _, s in points]), name, f"C{i}")
                 drawn = True
         if log_x:
@@ -165,7 +119,7 @@ def plot_sweep(study: Study, sweep: Dict[str, Dict[Any, Any]], axis_label: str, 
         ax.grid(alpha=0.3)
     if drawn:
         axes[0].legend(fontsize=7)
-    _save(fig, plt, path)
+    save_figure(fig, plt, path)
     return drawn
 
 
@@ -183,7 +137,7 @@ def plot_advantages(table: Dict[float, Dict[str, List[float]]], path: str) -> No
         ax.set_xlabel("correct responses c (of N)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    _save(fig, plt, path)
+    save_figure(fig, plt, path)
 
 
 def write_figures(study: Study, advantages, out_dir: str) -> Dict[str, str]:
@@ -210,6 +164,7 @@ def write_figures(study: Study, advantages, out_dir: str) -> Dict[str, str]:
     keep("lambda", plot_curves(
         study, {f"delta={d:g}": s for d, s in sorted(plan.deltas.items())}, plan.delta_seeds,
         ["quatro/lambda/mean", "entropy"], ["mean lambda* over prompts", "policy entropy (rollouts)"], p("lambda")))
+    keep("trust_region", plot_trust_region(study, trust_region_rows(study), p("trust_region")))
     plot_advantages(advantages, p("advantage_vs_correct"))
     paths["advantage_vs_correct"] = "advantage_vs_correct.png"
     return paths
@@ -218,54 +173,6 @@ def write_figures(study: Study, advantages, out_dir: str) -> Dict[str, str]:
 # --------------------------------------------------------------------------------------------
 # Markdown
 # --------------------------------------------------------------------------------------------
-
-
-def _claim_lines(claims: Sequence[Claim]) -> List[str]:
-    rows = [[c.id, c.statement, f"**{c.verdict}**", c.summary or "-"] for c in claims]
-    lines = _table(["claim", "statement (as tested here)", "verdict", "numbers"], rows)
-    for c in claims:
-        if not c.comparisons:
-            continue
-        lines += [f"### {c.id}: {c.verdict}", "", c.statement + ".", ""]
-        if c.note:
-            lines += [f"_{c.note}_", ""]
-        rows = []
-        for x in c.comparisons:
-            t = x.test
-            detail = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in x.detail.items())
-            if isinstance(t, PairedTest):
-                rows.append([x.label, f"{t.mean:+.4f}", f"[{t.low:+.4f}, {t.high:+.4f}]", _interval(x.simultaneous),
-                             f"{t.p_value:.3g}", f"{x.p_adjusted:.3g}", _value(x.tost_p_adjusted, 3), x.outcome, detail])
-            else:
-                rows.append([x.label, "-", "-", "-", "-", "-", "-", x.outcome, detail])
-        header = ["vs / effect", "mean difference (> 0 supports)", "95% CI (paired t)",
-                  "simultaneous 95% CI (Holm-compatible)", "p", "Holm p"]
-        lines += _table(header + [f"TOST Holm p (margin ±{c.margin:g})" if c.margin else "TOST", "outcome", "details"],
-                        rows)
-    return lines
-
-
-def power_lines(cfg, claims: Sequence[Claim]) -> List[str]:
-    """The design's power, claim by claim (stats.paired_power): each family's size m and paired
-    seeds n, the power of Holm's first step against a ``power_effect_sd`` effect, and the seeds
-    ``power_target`` needs (stats.seeds_for_power)."""
-    rows = []
-    for c in claims:
-        tests = [x.test for x in c.comparisons if isinstance(x.test, PairedTest)]
-        if not tests:
-            continue
-        m, n = len(c.comparisons), min(t.n for t in tests)
-        rows.append([c.id, str(m), str(n), f"{paired_power(cfg.power_effect_sd, n, m, cfg.alpha):.2f}",
-                     str(seeds_for_power(cfg.power_effect_sd, m, cfg.alpha, cfg.power_target)),
-                     "-" if c.margin is None else f"±{c.margin:g}"])
-    if not rows:
-        return []
-    return [f"**Power.** A paired t test over n seeds, Holm over a family of m, first step at alpha / m = "
-            f"{cfg.alpha:g} / m, against a true effect of {cfg.power_effect_sd:g} standard deviations of the per-seed "
-            f"difference (noncentral t; a lower bound for the family's other steps); the seeds it needs for power "
-            f"{cfg.power_target:g}; and the claim's equivalence margin (TOST), stated before the runs.", ""] + _table(
-        ["claim", "family m", "paired seeds n", f"power at {cfg.power_effect_sd:g} sd",
-         f"seeds for power {cfg.power_target:g}", "TOST margin"], rows)
 
 
 def checkpoint_lines(study: Study) -> List[str]:
@@ -288,12 +195,12 @@ def checkpoint_lines(study: Study) -> List[str]:
                                    ("ucc", record.get(f"ucc@{n}")), ("pass", record.get(f"pass@{n}"))):
                     if value is not None:
                         values[key].append(float(value))
-            rows.append([name, str(step), str(len(runs))] + [_value(float(np.mean(v)) if v else None, 4)
+            rows.append([name, str(step), str(len(runs))] + [fmt_value(float(np.mean(v)) if v else None, 4)
                                                              for v in values.values()])
     if not rows:
         return []
     return [f"Held-out checkpoints every {ck.every} steps ({study.cfg.evaluation.num_problems} problems x {n} samples, "
-            f"{_tp(study.claim_top_p)}), means over seeds; the claims `ucc_matched_reward` / `ucc_matched_kl` compare "
+            f"{top_p_label(study.claim_top_p)}), means over seeds; the claims `ucc_matched_reward` / `ucc_matched_kl` compare "
             f"methods at the same rollout reward / KL-to-reference instead of the same step:", ""] + _table(
         ["method", "step", "seeds", "rollout reward", "KL-to-reference", f"held-out ucc@{n}", f"held-out pass@{n}"], rows)
 
@@ -309,7 +216,7 @@ def _testbed_lines(study: Study) -> List[str]:
             continue
         rates = np.array(b["num_correct"], dtype=float) / b["n_samples"]
         deciles = np.histogram(rates, bins=np.linspace(0, 1, 11))[0]
-        rows.append([_tp(top_p), f"{b['reward/mean']:.3f}", f"{b['solved_fraction']:.3f}",
+        rows.append([top_p_label(top_p), f"{b['reward/mean']:.3f}", f"{b['solved_fraction']:.3f}",
                      f"{b['distinct_correct_per_solved']:.2f}", f"{np.mean(b['num_distinct']):.2f}",
                      f"{np.min(rates):.3f} / {np.median(rates):.3f} / {np.max(rates):.3f}",
                      " ".join(str(int(c)) for c in deciles)])
@@ -322,11 +229,11 @@ def _testbed_lines(study: Study) -> List[str]:
     rows = []
     plan = study.plan
     for name, setting in plan.compare.items():
-        rows.append([name] + [_fmt(study.stat(setting, plan.seeds, final_metric("distinct_correct_per_solved", p)), 2)
+        rows.append([name] + [fmt_stat(study.stat(setting, plan.seeds, final_metric("distinct_correct_per_solved", p)), 2)
                               for p in study.top_ps])
     lines += ["Distinct correct answers per solved problem after training (mean ± std over seeds):", ""]
-    base_row = ["base model"] + [_value(study.base.get(p, {}).get("distinct_correct_per_solved"), 2) for p in study.top_ps]
-    lines += _table(["method"] + [_tp(p) for p in study.top_ps], [base_row] + rows)
+    base_row = ["base model"] + [fmt_value(study.base.get(p, {}).get("distinct_correct_per_solved"), 2) for p in study.top_ps]
+    lines += _table(["method"] + [top_p_label(p) for p in study.top_ps], [base_row] + rows)
     return lines
 
 
@@ -335,9 +242,9 @@ def _compare_rows(study: Study, kmax: Optional[int], top_p: float) -> List[List[
     plan = study.plan
     b = study.base.get(top_p, {})
     keys = ["reward/mean", "pass@1"] + ([f"pass@{kmax}", f"ucc@{kmax}"] if kmax else []) + ["ucr", "entropy"]
-    rows = [["base model", "-"] + [_value(b.get(k)) for k in keys] + ["-", "-"]]
+    rows = [["base model", "-"] + [fmt_value(b.get(k)) for k in keys] + ["-", "-"]]
     for name, setting in plan.compare.items():
-        s = lambda extract: _fmt(study.stat(setting, plan.seeds, extract))  # noqa: E731
+        s = lambda extract: fmt_stat(study.stat(setting, plan.seeds, extract))  # noqa: E731
         rows.append([name, str(len(study.group(setting, plan.seeds)))] + [s(final_metric(k, top_p)) for k in keys]
                     + [s(entropy_retention), s(mean_over_training("policy/clip_frac"))])
     return rows
@@ -347,11 +254,11 @@ def _at_k_table(study: Study, settings: Dict[str, Any], seeds: Sequence[int], pr
     ks = sorted({k for s in settings.values() for run in study.group(s, seeds) for k in ks_of(run.final(top_p) or {}, prefix)})
     if not ks:
         return []
-    rows = [[label] + [_fmt(study.stat(s, seeds, final_metric(f"{prefix}{k}", top_p))) for k in ks]
+    rows = [[label] + [fmt_stat(study.stat(s, seeds, final_metric(f"{prefix}{k}", top_p))) for k in ks]
             for label, s in settings.items()]
     base = study.base.get(top_p)
     if base:
-        rows.insert(0, ["base model"] + [_value(base.get(f"{prefix}{k}")) for k in ks])
+        rows.insert(0, ["base model"] + [fmt_value(base.get(f"{prefix}{k}")) for k in ks])
     return _table(["setting"] + [f"k={k}" for k in ks], rows)
 
 
@@ -362,10 +269,10 @@ def _sweep_lines(study: Study, sweep, axis_name: str, default: Any) -> List[str]
         for x, setting in sorted(axis.items()):
             s = lambda extract: study.stat(setting, study.plan.sweep_seeds, extract)  # noqa: E731
             reward = s(final_metric("reward/mean", p))
-            rows.append([name, f"{x:g}", _fmt(reward),
+            rows.append([name, f"{x:g}", fmt_stat(reward),
                          "-" if reward is None or reward.n < 2 else f"[{reward.low:.3f}, {reward.high:.3f}]",
-                         _fmt(s(final_metric("entropy", p))), _fmt(s(mean_over_training("policy/clip_frac"))),
-                         _fmt(s(peak_over_training("policy/kl_old")), 4)])
+                         fmt_stat(s(final_metric("entropy", p))), fmt_stat(s(mean_over_training("policy/clip_frac"))),
+                         fmt_stat(s(peak_over_training("policy/kl_old")), 4)])
     lines = _table(["method", axis_name, "final reward", "95% CI", "final entropy", "clip frac", "peak KL-to-old"], rows)
     points = breaking_points(study, sweep, default)
     tolerance = study.cfg.sweeps.tolerance
@@ -373,21 +280,6 @@ def _sweep_lines(study: Study, sweep, axis_name: str, default: Any) -> List[str]
               f"{axis_name} = {default:g} reward (every point before it too):", ""]
     lines += _table(["method", f"largest {axis_name} within {tolerance:.0%}"],
                     [[name, "-" if x is None else f"{x:g}"] for name, x in points.items()])
-    return lines
-
-
-def _info_lines(cfg, info: Dict[str, Any]) -> List[str]:
-    lines = []
-    total = info.get("total_wall_minutes")
-    if total is not None:
-        count = info.get("training_invocations", 1)
-        lines += [f"Wall time: {total:.1f} min over the {count} invocation(s) that trained runs, with {cfg.workers} "
-                  f"training processes at a time (budget {cfg.time_budget_minutes:g} min"
-                  + (", EXCEEDED" if total > cfg.time_budget_minutes else "") + ").", ""]
-    if info.get("collected_from"):
-        lines += [f"Runs collected from the sweep directory `{info['collected_from']}`.", ""]
-    if info.get("scale_note"):
-        lines += [f"**Scale.** {info['scale_note']}", ""]
     return lines
 
 
@@ -404,7 +296,7 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
              f"default lr {plan.defaults.lr:g}, default K {plan.defaults.inner_loops}. Every method sees the same "
              "prompts, rollout budget (prompts x responses per step, steps), evaluation and seeds; each method's "
              "own hyper-parameters are its config's defaults (conf/algorithm/).", ""]
-    lines += _info_lines(cfg, info)
+    lines += info_lines(cfg, info)
     lines += [f"**Evaluation.** Each run's final policy on {ev.num_problems} held-out problems x {ev.n_samples} "
               f"samples at temperature {ev.temperature:g} and top-p {', '.join(f'{p:g}' for p in ev.top_p)} (runs only "
               f"in the sweeps or the ablation: {ev.sweep_n_samples or ev.n_samples} samples at top-p {ev.top_p[0]:g}, "
@@ -418,7 +310,9 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
               "baseline), PARTLY (against some, significantly opposed by none), NOT REPRODUCED (a significant effect "
               "in the opposite direction), EQUIVALENT (for a claim with a stated margin: no significant difference and "
               "every comparison inside the margin by two one-sided tests, Holm-adjusted), INCONCLUSIVE (no significant "
-              "difference: the intervals are wide), NOT TESTED (runs missing). Beside each 95% interval, the family's "
+              "difference: the intervals are wide), NOT TESTED (fewer than two paired seeds), NOT RUN (n of N seeds: "
+              "a study stopped before every run of the claim finished for every seed its design states; nothing is "
+              "decided on fewer). Beside each 95% interval, the family's "
               "simultaneous 95% interval, compatible with Holm (Strassburger & Bretz 2008: a comparison Holm rejects "
               "gets the half-line on its side of 0 unless the whole family is rejected). "
               "Tables show mean ± std over seeds.", ""]
@@ -430,7 +324,7 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
                   f"over seeds): {convergence['last_quarter_change']:+.4f}, "
                   + ("plateaued." if convergence["plateaued"] else "NOT plateaued: longer runs may change the picture.")
                   , ""]
-    lines += ["## Claims", ""] + _claim_lines(claims) + power_lines(cfg, claims)
+    lines += ["## Claims", ""] + claim_lines(claims) + power_lines(cfg, claims)
     lines += _testbed_lines(study)
     lines += ["## 1-3. Main comparison (default settings)", ""]
     twins = identical_methods(study)
@@ -440,10 +334,10 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
     for top_p in study.top_ps:
         header = ["method", "seeds", "final reward", "pass@1"] + ([f"pass@{kmax}", f"ucc@{kmax}"] if kmax else []) \
             + ["UCR", "final entropy", "entropy last/first", "clip frac"]
-        lines += [f"Final held-out numbers, {_tp(top_p)}:", ""] + _table(header, _compare_rows(study, kmax, top_p))
+        lines += [f"Final held-out numbers, {top_p_label(top_p)}:", ""] + _table(header, _compare_rows(study, kmax, top_p))
     for top_p in study.top_ps:
-        lines += [f"Held-out Pass@k, {_tp(top_p)}:", ""] + _at_k_table(study, plan.compare, plan.seeds, "pass@", top_p)
-        lines += [f"Held-out UCC@k, {_tp(top_p)}:", ""] + _at_k_table(study, plan.compare, plan.seeds, "ucc@", top_p)
+        lines += [f"Held-out Pass@k, {top_p_label(top_p)}:", ""] + _at_k_table(study, plan.compare, plan.seeds, "pass@", top_p)
+        lines += [f"Held-out UCC@k, {top_p_label(top_p)}:", ""] + _at_k_table(study, plan.compare, plan.seeds, "ucc@", top_p)
     lines += checkpoint_lines(study)
     for key in ("pass_at_k", "ucc_at_k", "frontier", "training"):
         if key in figures:
@@ -467,15 +361,16 @@ def to_markdown(study: Study, claims: Sequence[Claim], advantages, figures: Dict
     rows = []
     for g, s in plan.ablation.items():
         st = lambda extract: study.stat(s, plan.ablation_seeds, extract)  # noqa: E731
-        rows.append([g, _fmt(st(final_metric("reward/mean", study.claim_top_p))),
-                     _fmt(st(mean_over_training("policy/kl_old")), 4), _fmt(st(peak_over_training("policy/kl_old")), 4),
-                     _fmt(st(final_metric("entropy", study.claim_top_p)))])
+        rows.append([g, fmt_stat(st(final_metric("reward/mean", study.claim_top_p))),
+                     fmt_stat(st(mean_over_training("policy/kl_old")), 4), fmt_stat(st(peak_over_training("policy/kl_old")), 4),
+                     fmt_stat(st(final_metric("entropy", study.claim_top_p)))])
     lines += _table(["log_ratio", "final reward", "mean KL-to-old", "peak KL-to-old", "final entropy"], rows)
     if "logratio_ablation" in figures:
         lines += [f"![log-ratio ablation]({figures['logratio_ablation']})", ""]
     lines += _delta_lines(study, figures)
     lines += ["### Advantage vs number of correct responses (exact, binary rewards)", ""]
     lines += _advantage_lines(advantages, figures)
+    lines += trust_region_lines(trust_region_rows(study), figures)
     lines += ["## Each method's own settings (the same in every part of the study)", ""]
     lines += _table(["method", "fields (conf/algorithm/<name>.yaml)"],
                     [[name, ", ".join(f"{k}={v}" for k, v in sorted(fields.items()) if k != "name")]
@@ -502,17 +397,17 @@ def _delta_lines(study: Study, figures: Dict[str, str]) -> List[str]:
              "is inactive for a prompt when delta >= log(N / (N - c)) for its c correct answers; "
              "'inactive TR fraction' is the measured share of such prompts over training.", ""]
     p = study.claim_top_p
-    rows = [[label, _fmt(study.stat(s, seeds, mean_over_training("quatro/lambda/mean")), 4),
-             _fmt(study.stat(s, seeds, mean_over_training("quatro/tr_inactive_frac"))),
-             _fmt(study.stat(s, seeds, final_metric("reward/mean", p))),
-             _fmt(study.stat(s, seeds, final_metric("entropy", p))),
-             _fmt(study.stat(s, seeds, final_metric("distinct_correct_per_solved", p)), 2)]
+    rows = [[label, fmt_stat(study.stat(s, seeds, mean_over_training("quatro/lambda/mean")), 4),
+             fmt_stat(study.stat(s, seeds, mean_over_training("quatro/tr_inactive_frac"))),
+             fmt_stat(study.stat(s, seeds, final_metric("reward/mean", p))),
+             fmt_stat(study.stat(s, seeds, final_metric("entropy", p))),
+             fmt_stat(study.stat(s, seeds, final_metric("distinct_correct_per_solved", p)), 2)]
             for label, s in settings.items()]
-    lines += _table(["delta", "mean lambda* (training)", "inactive TR fraction", f"final reward ({_tp(p)})",
+    lines += _table(["delta", "mean lambda* (training)", "inactive TR fraction", f"final reward ({top_p_label(p)})",
                      "final entropy", "distinct correct per solved"], rows)
     for top_p in study.top_ps:
-        lines += [f"Pass@k per delta, {_tp(top_p)}:", ""] + _at_k_table(study, settings, seeds, "pass@", top_p)
-        lines += [f"UCC@k per delta, {_tp(top_p)}:", ""] + _at_k_table(study, settings, seeds, "ucc@", top_p)
+        lines += [f"Pass@k per delta, {top_p_label(top_p)}:", ""] + _at_k_table(study, settings, seeds, "pass@", top_p)
+        lines += [f"UCC@k per delta, {top_p_label(top_p)}:", ""] + _at_k_table(study, settings, seeds, "ucc@", top_p)
     if "lambda" in figures:
         lines += [f"![lambda]({figures['lambda']})", ""]
     return lines
@@ -532,6 +427,9 @@ def write_study_report(study: Study, claims: Sequence[Claim], advantages, out_di
                "runs": {name: {"finished": name in study.runs, "overrides": list(spec.overrides)}
                         for name, spec in study.plan.runs.items()},
                "advantages": {str(d): t for d, t in advantages.items()}}
+    trust_region = trust_region_rows(study)
+    if trust_region:          # runs that logged the achieved KL (algorithm.log_achieved_kl)
+        summary["trust_region"] = trust_region_to_json(trust_region)
     with open(os.path.join(out_dir, "report.json"), "w", encoding="utf-8") as f:
         json.dump(to_jsonable(summary), f, indent=1, allow_nan=False)
     return {"markdown": os.path.join(out_dir, "report.md"), "json": os.path.join(out_dir, "report.json"),

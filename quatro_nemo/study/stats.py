@@ -32,6 +32,8 @@ Verdicts of a claim from its comparisons (significant = Holm-adjusted p < alpha)
                     stated margin (TOST, below; only for a claim that states a margin)
     INCONCLUSIVE    no significant difference (and not shown equivalent: the interval is wide)
     NOT TESTED      fewer than two paired seeds for every comparison (or runs missing)
+    NOT RUN (n of N seeds)  only n of the N seeds the design states have every run of the claim
+                    finished (an interrupted study): not decided on fewer seeds than pre-registered
 
 Equivalence: **two one-sided tests** (TOST; Schuirmann 1987, "A comparison of the two one-sided
 tests procedure and the power approach for assessing the equivalence of average
@@ -241,6 +243,16 @@ def decide(comparisons: Sequence[Comparison], alpha: float, margin: Optional[flo
     if sum(c.outcome == WITHIN_MARGIN for c in tested) == len(comparisons):
         return EQUIVALENT
     return INCONCLUSIVE
+
+
+def not_run(complete: int, designed: int) -> str:
+    """The verdict of a claim whose runs are finished for only ``complete`` of its ``designed``
+    seeds (module docstring): no test is decided on fewer seeds than the design states."""
+    return f"NOT RUN ({complete} of {designed} seeds)"
+
+
+def is_not_run(verdict: str) -> bool:
+    return verdict.startswith("NOT RUN (")
 
 
 def exact_verdict(holds: Sequence[bool]) -> str:

@@ -14,7 +14,7 @@ from quatro_nemo.study.config import StudyConfigError, load_study_config, study_
 from quatro_nemo.study.driver import write_report
 from quatro_nemo.study.driver import build_plan
 from quatro_nemo.study.plan import train_args
-from quatro_nemo.study.stats import INCONCLUSIVE, NOT_REPRODUCED, NOT_TESTED, REPRODUCED
+from quatro_nemo.study.stats import INCONCLUSIVE, NOT_REPRODUCED, NOT_TESTED, REPRODUCED, paired_power, seeds_for_power
 
 
 def small(**adaptive):
@@ -53,6 +53,23 @@ def test_the_committed_config_plans_every_arm_once_and_each_composes():
     assert seen == expected
 
 
+def test_the_successor_asks_again_on_the_kl_adaptive_lr_with_seeds_for_power():
+    """conf/study/adaptive_lr.yaml: the same arms, each with lr_control=kl_adaptive, and seeds from
+    stats.seeds_for_power for the largest Holm family (stable_: task x stress x fixed delta)."""
+    cfg = load_study_config("adaptive_lr")
+    ad = cfg.adaptive
+    assert ad.fixed_deltas == [0.02, 0.05, 0.1, 0.2] and set(ad.strategies) == {"controller", "variance"}
+    stable_family = len(ad.tasks) * len(ad.stress) * len(ad.fixed_deltas)      # 16
+    frontier_family = len(ad.tasks) * 2                                        # pass@1 and pass@kmax per task
+    assert len(ad.seeds) == seeds_for_power(2.0, stable_family, 0.05, 0.8) == 8
+    assert paired_power(2.0, len(ad.seeds), stable_family) >= 0.8 and paired_power(2.0, len(ad.seeds), frontier_family) >= 0.8
+    plan = build_plan(cfg)
+    assert len(plan.runs) == len(ad.tasks) * (1 + len(ad.stress)) * (len(ad.fixed_deltas) + len(ad.strategies)) * 8
+    for spec in list(plan.runs.values())[::23]:       # a spread of the 288 runs, each composed
+        algo = load_config(train_args(cfg) + list(spec.overrides)).algorithm
+        assert algo.lr_control == "kl_adaptive", spec.name
+
+
 @pytest.mark.parametrize("adaptive, key", [
     ({"tasks": ["binary", "exact"]}, "adaptive.tasks"),
     ({"fixed_deltas": [0.1]}, "adaptive.fixed_deltas"),
@@ -62,6 +79,9 @@ def test_the_committed_config_plans_every_arm_once_and_each_composes():
     ({"stress": {"many": {"inner_loops": 0}}}, "adaptive.stress.many.inner_loops"),
     ({"seeds": []}, "adaptive.seeds"),
     ({"nonsense": 1}, "adaptive.nonsense"),
+    ({"common": {"delta": 0.3}}, "adaptive.common"),                    # the arms differ by their radius
+    ({"common": {"lr_controll": "kl_adaptive"}}, "adaptive.common"),
+    ({"common": {"lr_control": "sometimes"}}, "adaptive.common"),
 ])
 def test_bad_adaptive_section_names_the_key(adaptive, key):
     with pytest.raises(StudyConfigError, match=key.replace(".", r"\.")):
@@ -132,9 +152,22 @@ def test_claims_and_report_on_planted_effects(tmp_path):
     assert len(stable.comparisons) == 4     # 2 tasks x the 2 broken deltas; 0.05 held
     report = open(result["paths"]["markdown"]).read()
     assert "![frontier](frontier.png)" in report and "BREAKS" in report
+    # the power table: families of 4 at 3 seeds (Holm's first step at 0.05 / 4: power 0.15; 7 seeds for 0.8)
+    assert "| frontier_variance | 4 | 3 | 0.15 | 7 | - |" in report and "| stable_controller | 4 | 3 | 0.15 | 7 | - |" in report
     assert os.path.isfile(tmp_path / "frontier.png") and os.path.isfile(tmp_path / "radius.png")
     again = write_report(cfg, plan, str(tmp_path), str(tmp_path / "again"), {})
     assert open(again["paths"]["markdown"]).read() == report      # report_only=true gives the same report
+
+
+def test_a_stopped_adaptive_study_is_not_run_where_seeds_are_missing(tmp_path):
+    cfg = small()
+    plan = build_plan(cfg)
+    plant(str(tmp_path), plan)
+    setting = plan.adaptive.settings[("graded", "lr4", "delta=0.1")]       # a stress run of seed 3 missing
+    os.remove(archive_path(str(tmp_path), plan.runs_of(setting, [3])[0].name))
+    verdicts = {c.id: c.verdict for c in write_report(cfg, plan, str(tmp_path), str(tmp_path), {})["claims"]}
+    assert verdicts == {"frontier_controller": NOT_REPRODUCED, "frontier_variance": REPRODUCED,   # default runs complete
+                        "stable_controller": "NOT RUN (2 of 3 seeds)", "stable_variance": "NOT RUN (2 of 3 seeds)"}
 
 
 def test_no_broken_fixed_delta_leaves_stability_untested(tmp_path):
