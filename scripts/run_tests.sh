@@ -47,7 +47,7 @@ kernels_start=$SECONDS
 kernels_rc=0
 machine_kernels=$(.venv/bin/python -c "import torch; print(torch.backends.cpu.get_cpu_capability())")
 other_kernels=$([ "$machine_kernels" = AVX512 ] && echo avx2 || echo default)
-echo "run_tests.sh: other kernels: this machine's are $machine_kernels; rerunning ${#KERNEL_TESTS[@]} modules" \
+echo "run_tests.sh: other kernels: this machine's are $machine_kernels; rerunning ${#KERNEL_TESTS[@]} test paths" \
      "under ATEN_CPU_CAPABILITY=$other_kernels"
 ATEN_CPU_CAPABILITY=$other_kernels .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" "${KERNEL_TESTS[@]}" \
     2>&1 | tee "$logs/kernels" || kernels_rc=$?
@@ -66,7 +66,7 @@ bash scripts/test_aligner.sh 2>&1 | tee "$logs/aligner" || aligner_rc=$?
 aligner_seconds=$((SECONDS - aligner_start))
 
 echo "run_tests.sh: main suite (.venv):            $(tail -n 1 "$logs/main") exit $main_rc"
-echo "run_tests.sh: other kernels ($other_kernels):      $(tail -n 1 "$logs/kernels") exit $kernels_rc" \
+echo "run_tests.sh: other kernels (ATEN_CPU_CAPABILITY=$other_kernels): $(tail -n 1 "$logs/kernels") exit $kernels_rc" \
      "(${kernels_seconds} s)"
 echo "run_tests.sh: cluster suite (.venv-cluster): $(tail -n 1 "$logs/cluster") exit $cluster_rc" \
      "(${cluster_seconds} s with the environment build/check)"
