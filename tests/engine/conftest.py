@@ -24,6 +24,14 @@ TINY = [
 
 @pytest.fixture(scope="session")
 def warm_cache(tmp_path_factory):
+    """One warm-start cache for the whole test session, shared by pytest-xdist's workers (their
+    base temporary directories sit side by side in the session's): each base model is trained
+    once, not once per worker. The cache writes each file atomically (warmstart._save_atomic), so
+    two workers building the same one at once both read a complete file."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "warmstart-cache"
+        shared.mkdir(exist_ok=True)
+        return str(shared)
     return str(tmp_path_factory.mktemp("warmstart-cache"))
 
 
