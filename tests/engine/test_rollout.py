@@ -22,7 +22,7 @@ def test_global_sequence_ids_by_hand():
 
 
 def test_unknown_backend_is_named():
-    with pytest.raises(ValueError, match="rollout.backend='vllm-typo'"):
+    with pytest.raises(ValueError, match=r"rollout\.backend must be one of \['megatron', 'vllm'\], got 'vllm-typo'"):
         build_rollout_backend(SimpleNamespace(rollout=SimpleNamespace(backend="vllm-typo")), model=None,
                               model_config=None, task=None)
 
