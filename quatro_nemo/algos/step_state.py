@@ -23,6 +23,12 @@ import torch
 from quatro_nemo.algos.adaptive_delta import DeltaController, achieved_kl_per_group
 from quatro_nemo.algos.lr_control import KlAdaptiveLr
 
+# The per-step trust-region metrics logged here (and read by the study's report, study/analysis.py)
+ACHIEVED_KL = "trust_region/achieved_kl"                   # mean over the informative prompts
+ACHIEVED_KL_MAX = "trust_region/achieved_kl_max"           # the largest prompt's
+ACHIEVED_OVER_DELTA = "trust_region/achieved_over_delta"   # achieved KL / the step's delta
+LR_MULTIPLIER = "trust_region/lr_multiplier"               # lr_control=kl_adaptive's multiplier
+
 
 @dataclass
 class StepMeasurements:
@@ -82,8 +88,7 @@ class TrustRegionLog:
     def metrics(self) -> Dict[str, float]:
         if self.achieved is None:
             return {}
-        return {"trust_region/achieved_kl": self.achieved_kl,
-                "trust_region/achieved_kl_max": float(self.achieved.max())}
+        return {ACHIEVED_KL: self.achieved_kl, ACHIEVED_KL_MAX: float(self.achieved.max())}
 
     def state_dict(self) -> Dict[str, Any]:
         return {}
@@ -130,9 +135,9 @@ class QuatroState(TrustRegionLog):
     def metrics(self) -> Dict[str, float]:
         out = super().metrics()
         if self.achieved is not None:
-            out["trust_region/achieved_over_delta"] = self.achieved_kl / self.delta
+            out[ACHIEVED_OVER_DELTA] = self.achieved_kl / self.delta
         if self.lr_control is not None:
-            out["trust_region/lr_multiplier"] = self.lr_multiplier
+            out[LR_MULTIPLIER] = self.lr_multiplier
         if self.delta_controller is not None:
             out["quatro/delta_used"] = self.delta
             out.update(self.delta_controller.metrics())

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from quatro_nemo.algos import solve_dual
+from quatro_nemo.algos.step_state import ACHIEVED_KL, ACHIEVED_KL_MAX, ACHIEVED_OVER_DELTA, LR_MULTIPLIER
 from quatro_nemo.study.config import QUATRO, StudyConfig
 from quatro_nemo.study.plan import Setting, StudyPlan, holds
 from quatro_nemo.study.stats import (NOT_TESTED, Comparison, PairedTest, decide, exact_verdict, not_run, paired_differences,
@@ -622,11 +623,6 @@ def evaluate_claims(study: Study, advantages: Dict[float, Dict[str, List[float]]
 # --------------------------------------------------------------------------------------------
 # Reported (not claimed): the trust region where the step is taken (issue 29)
 # --------------------------------------------------------------------------------------------
-
-ACHIEVED_KL = "trust_region/achieved_kl"              # per step: mean over the informative prompts
-ACHIEVED_KL_MAX = "trust_region/achieved_kl_max"      # per step: the largest prompt's
-ACHIEVED_OVER_DELTA = "trust_region/achieved_over_delta"   # per step: achieved KL / the step's delta
-LR_MULTIPLIER = "trust_region/lr_multiplier"          # per step: lr_control=kl_adaptive's multiplier
 
 # column -> the per-run statistic over training steps (each cell: mean ± std over seeds)
 TRUST_REGION_COLUMNS: Dict[str, Extract] = {

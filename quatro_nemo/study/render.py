@@ -7,9 +7,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from quatro_nemo.algos.step_state import ACHIEVED_KL
 from quatro_nemo.eval.tables import markdown_table
 from quatro_nemo.eval.plots import pyplot
-from quatro_nemo.study.analysis import (ACHIEVED_KL, TRUST_REGION_COLUMNS, Claim, Stat, Study, TrustRegionRow,
+from quatro_nemo.study.analysis import (TRUST_REGION_COLUMNS, Claim, Stat, Study, TrustRegionRow,
                                         trust_region_groups)
 from quatro_nemo.study.stats import NOT_TESTED, PairedTest, is_not_run, paired_power, seeds_for_power
 
