@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # long test collected near the end (tests/study comes late alphabetically) runs alone while the
 # other worker has nothing left: longest-first keeps that tail short and the suite's wall time
 # near its total CPU time / workers. Measured with `pytest --durations` (loaded 2-core machine):
-# the quick study 18 min, the tiny study end to end 6 min, every other module under 3 min.
+# the quick study 9 min, the tiny adaptive study 2 min (both in tests/study, collected late), no
+# other single test over 3 min (2026-12-03).
 # Whole modules move, in their own order, so module-scoped fixtures are built once per worker.
-LONGEST_FIRST = ("tests/study/test_quick_study.py", "tests/study/test_study_e2e.py")
+LONGEST_FIRST = ("tests/study/test_quick_study.py", "tests/study/test_adaptive_study_e2e.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

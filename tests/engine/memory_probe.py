@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 MODEL = dict(architecture="qwen2", vocab_size=16384, hidden_size=512, num_layers=8, num_attention_heads=8,
              num_query_groups=2, ffn_hidden_size=1536, max_position_embeddings=128, tie_embeddings=False,
              params_dtype="float32")
-SEQUENCES, SEQUENCE_LENGTH, MICRO_BATCH = 4, 64, 2
+SEQUENCES, SEQUENCE_LENGTH, MICRO_BATCH = 4, 64, 2   # sequences: the default of --sequences
 LOSS = "grpo"
 STEPS = 2
 LOSS_PATH_SHAPE = (2, 512, 16384, 64)  # rows, length, vocabulary, hidden: 16.8 M logits
@@ -53,23 +53,24 @@ def reset_peak() -> None:
         clear_refs.write("5")
 
 
-def _training_batch(rank: int):
+def _training_batch(rank: int, sequences: int):
     import torch
 
     gen = torch.Generator().manual_seed(100 + rank)
-    tokens = torch.randint(0, MODEL["vocab_size"], (SEQUENCES, SEQUENCE_LENGTH), generator=gen)
-    mask = torch.zeros(SEQUENCES, SEQUENCE_LENGTH - 1)
+    tokens = torch.randint(0, MODEL["vocab_size"], (sequences, SEQUENCE_LENGTH), generator=gen)
+    mask = torch.zeros(sequences, SEQUENCE_LENGTH - 1)
     mask[:, SEQUENCE_LENGTH // 4:] = 1.0
     return {
         "tokens": tokens,
-        "position_ids": torch.arange(SEQUENCE_LENGTH).expand(SEQUENCES, -1).contiguous(),
+        "position_ids": torch.arange(SEQUENCE_LENGTH).expand(sequences, -1).contiguous(),
         "response_mask": mask,
-        "old_logprobs": torch.full((SEQUENCES, SEQUENCE_LENGTH - 1), -9.7),
-        "advantages": torch.randn(SEQUENCES, generator=gen),
+        "old_logprobs": torch.full((sequences, SEQUENCE_LENGTH - 1), -9.7),
+        "advantages": torch.randn(sequences, generator=gen),
     }
 
 
-def _rank(rank: int, tensor_parallel: int, distributed_optimizer: bool, params_dtype: str, out: str) -> None:
+def _rank(rank: int, tensor_parallel: int, distributed_optimizer: bool, params_dtype: str, sequences: int,
+          out: str) -> None:
     from quatro_nemo.algos import get_algorithm
     from quatro_nemo.megatron import training
     from quatro_nemo.megatron.forward import train_step_forward_backward
@@ -78,7 +79,7 @@ def _rank(rank: int, tensor_parallel: int, distributed_optimizer: bool, params_d
 
     layout = initialize_parallel(tensor_parallel, 1, seed=5)
     algo_config = get_algorithm(LOSS).config_cls(beta=0.0)
-    batch = _training_batch(layout.dp_rank)
+    batch = _training_batch(layout.dp_rank, sequences)
     gc.collect()
     reset_peak()
     baseline_kb = memory_kb("VmRSS")
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--distributed-optimizer", action="store_true")
     parser.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--sequences", type=int, default=SEQUENCES, help="sequences per rank and step")
     parser.add_argument("--loss-path", action="store_true", help="measure the loss on large logits only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
         run_ranks(1, _loss_path, args.out)
     else:
         run_ranks(args.world_size, _rank, args.tensor_parallel, args.distributed_optimizer, args.params_dtype,
-                  args.out)
+                  args.sequences, args.out)
     return 0
 
 

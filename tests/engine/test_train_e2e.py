@@ -40,11 +40,13 @@ def assert_same_records(got_dir, expected_dir):
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, warm_cache):
-    """One uninterrupted 4-step QUATRO run (K=2 inner loops, two mini-batches per loop)."""
+    """One uninterrupted 5-step QUATRO run (K=2 inner loops, two mini-batches per loop). Five steps:
+    a run signalled at its first logged step checkpoints at step 2 at the latest, its resumed run
+    signalled at its first logged step again at step 4 at the latest, one before the end."""
     from .conftest import TINY
 
     run_dir = str(tmp_path_factory.mktemp("reference"))
-    args = TINY + [f"warmstart.cache_dir={warm_cache}", f"run.dir={run_dir}", "trainer.steps=4",
+    args = TINY + [f"warmstart.cache_dir={warm_cache}", f"run.dir={run_dir}", "trainer.steps=5",
                    "trainer.inner_loops=2", "trainer.mini_batch_prompts=4", "trainer.lr=3e-3"]
     code, output = finish(run_train(args))
     assert code == 0, output
@@ -170,26 +172,39 @@ def test_sigkill_at_random_points_then_same_command_resumes_bit_identically(refe
     assert_same_records(run_dir, reference_dir)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_signal_checkpoints_and_exits_75_then_resumes(reference_run, tmp_path, sig):
+def test_sigterm_then_sigusr1_each_checkpoint_and_exit_75_then_the_run_resumes(reference_run, tmp_path):
+    """SIGTERM (what SLURM sends at preemption) as soon as the first step is logged, then, in the
+    resumed run, SIGUSR1 (``#SBATCH --signal=USR1@...`` before the time limit) as soon as one more
+    step is logged: each time the run checkpoints where it is and exits 75 (requeue); the third
+    command finishes the run, whose records equal the uninterrupted run's. (One run signalled twice
+    rather than one run per signal: a start of the run less.)"""
     args, reference_dir = reference_run
     run_dir = str(tmp_path / "signalled")
     args = [a if not a.startswith("run.dir=") else f"run.dir={run_dir}" for a in args]
     args = args + ["trainer.checkpoint_every=0"]  # only the signal (or the end) checkpoints
-    process = run_train(args)
-    first_train = os.path.join(run_dir, "metrics.jsonl")
-    deadline = time.time() + 300
-    while not (os.path.exists(first_train) and '"train"' in open(first_train).read()):
-        assert process.poll() is None, process.communicate()[0]
-        assert time.time() < deadline
-        time.sleep(0.05)
-    process.send_signal(sig)
-    code, output = finish(process)
-    assert code == 75, output
-    steps = sorted(int(d.split("_")[1]) for d in os.listdir(os.path.join(run_dir, "checkpoints")))
-    assert steps and steps[-1] < 4
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+
+    def steps_logged():
+        return open(metrics).read().count('"train"') if os.path.exists(metrics) else 0
+
+    saved = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        logged_before = steps_logged()
+        process = run_train(args)
+        deadline = time.time() + 300
+        while steps_logged() <= logged_before:
+            assert process.poll() is None, process.communicate()[0]
+            assert time.time() < deadline
+            time.sleep(0.05)
+        process.send_signal(sig)
+        code, output = finish(process)
+        assert code == 75, (sig, output)
+        saved.append(latest_complete_checkpoint(run_dir))
+        assert start_step(output) == (saved[-2] if len(saved) > 1 else 0), (sig, output)
+    assert 0 < saved[0] < saved[1] < 5, saved
     code, output = finish(run_train(args))
     assert code == 0, output
+    assert start_step(output) == saved[1]
     assert_same_records(run_dir, reference_dir)
 
 

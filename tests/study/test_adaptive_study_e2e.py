@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests.engine.conftest import TINY
-from tests.study.test_study_e2e import run_tiny_study, study
+from tests.study.study_runner import run_tiny_study, study
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from typing import Any, List
 
 import pytest
 
-from .test_study_e2e import study
+from .study_runner import study
 
 STUDY_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "study_results"
 REL_TOL, ABS_TOL = 1e-9, 1e-12

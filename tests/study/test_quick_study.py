@@ -1,7 +1,9 @@
 """The quick study (study=quick), exactly as a user runs it (issue 9: CI runs it). Its verdicts are
-whatever the runs measure; what must hold is that every run finishes and is evaluated, every claim
-is stated, the testbed is described, and report_only=true rebuilds the same report from the kept
-metrics alone (issue 16)."""
+whatever the runs measure; what must hold is that every run finishes and is evaluated as the
+config says, every metric is kept, every claim is stated, the testbed is described, a second
+invocation trains nothing, report_only=true rebuilds the same report from the kept metrics alone
+(issue 16), and emit_sweep lists the same runs for SLURM."""
+import gzip
 import json
 import shutil
 import time
@@ -12,7 +14,7 @@ from quatro_nemo.study.config import load_study_config
 from quatro_nemo.study.stats import VERDICTS
 from quatro_nemo.study.timing import estimate_minutes
 
-from .test_study_e2e import study
+from .study_runner import study
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +45,31 @@ def test_quick_study_trains_every_run_and_states_every_claim(tmp_path):
     for claim in claims:
         assert claim["verdict"] in text
     assert "## The testbed (base model, measured)" in text and "distinct correct per solved problem" in text
-    assert (out / "frontier.png").stat().st_size > 1000
+    for figure in ("frontier.png", "pass_at_k.png", "training.png", "logratio_ablation.png", "lambda.png",
+                   "advantage_vs_correct.png", "stability_inner_loops.png", "stability_lr.png"):
+        assert (out / figure).stat().st_size > 1000, figure
     assert len(list((out / "metrics").glob("*.jsonl.gz"))) == len(report["runs"]) + 1   # + the base model
+    # conf/study/quick.yaml: 8 steps, held-out checkpoints every 4; 32 problems x 32 samples at both
+    # top-p for the compared runs (default K and lr), 16 samples at top-p 0.7 for the others (the
+    # stability sweeps' K2 and lr4x points, the ablation's log_ratio=none arm).
+    for name in report["runs"]:
+        kept = [json.loads(line) for line in gzip.open(out / "metrics" / f"{name}.jsonl.gz", "rt")]
+        assert [r["step"] for r in kept if r["kind"] == "train"] == list(range(1, 9)), name
+        assert [r["step"] for r in kept if r["kind"] == "eval"] == [0, 4, 8], name
+        evals = [r for r in kept if r["kind"] == "study_eval"]
+        compared = "-K1-lr1x-" in name and "log_ratio" not in name
+        assert [(r["top_p"], r["n_samples"]) for r in evals] == ([(0.7, 32), (1.0, 32)] if compared
+                                                                 else [(0.7, 16)]), name
+        assert all(r["step"] == 8 and len(r["num_correct"]) == 32 for r in evals), name
+    base = [json.loads(line) for line in gzip.open(out / "metrics" / "base.jsonl.gz", "rt")]
+    assert [(r["top_p"], r["step"], r["n_samples"]) for r in base] == [(0.7, 0, 32), (1.0, 0, 32)]
+
+    # resumable: a second invocation trains nothing and states the same verdicts
+    code, output = study(["study=quick", f"out={out}"], timeout=300)
+    assert code == 0, output
+    assert f"{len(report['runs'])} already done" in output, output[-2000:]
+    again = json.loads((out / "report.json").read_text())
+    assert [(c["id"], c["verdict"]) for c in again["claims"]] == [(c["id"], c["verdict"]) for c in claims]
 
     # the full study's wall time from these timings (docs/study.md, "Budget")
     estimate = estimate_minutes(load_study_config("full"), str(out))
@@ -57,3 +82,14 @@ def test_quick_study_trains_every_run_and_states_every_claim(tmp_path):
     code, output = study(["study=quick", f"out={out}", "report_only=true"], timeout=300)
     assert code == 0, output
     assert {name: (out / name).read_bytes() for name in first} == first
+
+    # the same runs as a SLURM run list: one override set per run, each choosing its algorithm and
+    # leaving run.dir to slurm/sweep.sh
+    sweep = tmp_path / "sweep.txt"
+    code, output = study(["study=quick", f"emit_sweep={sweep}"], timeout=300)
+    assert code == 0, output
+    lines = [line for line in sweep.read_text().splitlines() if line and not line.startswith("#")]
+    assert len(lines) == len(report["runs"]), output
+    assert all("algorithm=" in line and "run.dir" not in line for line in lines)
+    named = [line[2:] for line in sweep.read_text().splitlines() if line.startswith("# ") and " " not in line[2:]]
+    assert sorted(named) == sorted(report["runs"])
