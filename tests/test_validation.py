@@ -98,3 +98,40 @@ def test_choices_of_a_composed_run_config_are_members_that_read_as_their_strings
     assert cfg.model.architecture is Architecture.qwen2 and cfg.model.params_dtype is ParamsDtype.float32
     assert cfg.model.normalization == "RMSNorm" and cfg.model.position_embedding == "rope"   # qwen2's flavour
     assert cfg.eval.ucc_criterion is UccCriterion("rouge_l") and f"{cfg.eval.ucc_criterion}" == "rouge_l"
+
+
+def test_sandbox_cgroups_is_a_choice_named_by_its_run_config_key():
+    from quatro_nemo.rewards import get_verifier
+    from quatro_nemo.rewards.sandbox import CgroupMode, SandboxConfig
+
+    assert SandboxConfig(cgroups="off").cgroups is CgroupMode.off and SandboxConfig().cgroups == "auto"
+    refused = (r"SandboxConfig.cgroups \(task.verifier_options.cgroups in a run config\) must be one of "
+               r"\['auto', 'required', 'off'\], got 'sometimes'")
+    with pytest.raises(ConfigError, match=refused):
+        SandboxConfig(cgroups="sometimes")
+    with pytest.raises(ConfigError, match=refused):      # the run config's way in: task.verifier_options
+        get_verifier("code", cgroups="sometimes")
+
+
+def test_evaluation_ucc_metric_is_a_similarity_metric_or_precomputed():
+    from quatro_nemo.eval.report import MetricsConfig, UccMetric
+
+    assert MetricsConfig(ucc_metric="precomputed").ucc_metric is UccMetric("precomputed")
+    assert MetricsConfig(ucc_metric="tfidf").ucc_threshold == 0.9     # DEFAULT_THRESHOLDS["tfidf"]
+    with pytest.raises(ConfigError, match=r"MetricsConfig.ucc_metric must be one of \['code', 'exact', 'jaccard', "
+                                          r"'rouge_l', 'edit', 'tfidf', 'embedding', 'precomputed'\], got 'bleu'"):
+        MetricsConfig(ucc_metric="bleu")
+
+
+def test_memory_plan_runtime_refuses_a_device_or_backend_outside_its_choices():
+    from quatro_nemo.engine.config import RolloutBackendName
+    from quatro_nemo.engine.memory_plan import PlannedDevice, Runtime
+
+    runtime = Runtime(device="cpu", rollout_backend="megatron")
+    assert runtime.device is PlannedDevice("cpu") and runtime.rollout_backend is RolloutBackendName.megatron
+    assert Runtime.detect(Device.auto, RolloutBackendName.vllm).device is PlannedDevice("cuda")   # auto plans a GPU
+    with pytest.raises(ConfigError, match=r"Runtime.device must be one of \['cpu', 'cuda'\], got 'auto'"):
+        Runtime(device="auto")
+    with pytest.raises(ConfigError, match=r"Runtime.rollout_backend must be one of \['megatron', 'vllm'\], "
+                                          r"got 'sglang'"):
+        Runtime(rollout_backend="sglang")

@@ -6,15 +6,34 @@ One rule, one function; each raises :class:`~quatro_nemo.validation.ConfigError`
 (``quatro_nemo.engine.config.validate``, every run); the planner applies them to the layout it
 plans; the vLLM backend applies :func:`check_vllm_layout` once the process groups exist, and the
 loop :func:`quatro_nemo.validation.check_mini_batches` with the data-parallel size.
+
+The engine's choices of device and rollout backend (:class:`Device`, :class:`RolloutBackendName`)
+are declared here, below both the run config (``trainer.device``, ``rollout.backend``) and the
+memory planner (:class:`quatro_nemo.engine.memory_plan.Runtime`), which read them.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quatro_nemo.validation import ConfigError
+from quatro_nemo.validation import Choice, ConfigError
 
 if TYPE_CHECKING:
     from quatro_nemo.engine.config import ExperimentConfig
+
+
+class Device(Choice):
+    """``trainer.device``: where the policy trains (auto: cuda when available)."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class RolloutBackendName(Choice):
+    """``rollout.backend``: megatron (the trained model samples) | vllm (a colocated vLLM engine)."""
+
+    megatron = "megatron"
+    vllm = "vllm"
 
 
 def check_params_dtype(params_dtype: str) -> None:
@@ -57,9 +76,9 @@ def check_engine_support(cfg: "ExperimentConfig") -> None:
     check_params_dtype(model.params_dtype)
     check_sequence_parallel(bool((model.extra or {}).get("sequence_parallel", False)))
     check_tensor_split(model.ffn_hidden_size, tensor)
-    if cfg.rollout.backend == "vllm":
+    if cfg.rollout.backend == RolloutBackendName.vllm:
         check_vllm_layout(cfg.parallel.pipeline, tensor, cfg.vllm.tensor_parallel)
 
 
-__all__ = ["check_engine_support", "check_params_dtype", "check_sequence_parallel",
+__all__ = ["Device", "RolloutBackendName", "check_engine_support", "check_params_dtype", "check_sequence_parallel",
            "check_tensor_split", "check_vllm_layout"]

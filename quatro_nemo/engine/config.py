@@ -41,13 +41,13 @@ from omegaconf.errors import OmegaConfBaseException
 from quatro_nemo.algos import ALGORITHMS, AlgorithmConfig, build_algorithm
 from quatro_nemo.algos.importance import ImportanceCorrection
 from quatro_nemo.algos.schema import algorithm_schema, register_algorithm_schemas
-from quatro_nemo.engine.capabilities import check_engine_support
-from quatro_nemo.eval.similarity import SIMILARITY_METRICS
+from quatro_nemo.engine.capabilities import Device, RolloutBackendName, check_engine_support
 from quatro_nemo.engine.memory_plan import MemoryPlan, plan_run
 from quatro_nemo.engine.task import TASK_SCHEMAS, register_task_schemas, task_vocab_size
-from quatro_nemo.tasks.countdown.warmstart import WarmStartConfig
+from quatro_nemo.eval.similarity import SIMILARITY_METRICS
 from quatro_nemo.megatron.models import ModelConfig
-from quatro_nemo.validation import (Choice, ConfigError, check_at_least, check_in_unit_interval, check_mini_batches,
+from quatro_nemo.tasks.countdown.warmstart import WarmStartConfig
+from quatro_nemo.validation import (ConfigError, check_at_least, check_in_unit_interval, check_mini_batches,
                                     check_number, check_positive, check_token_budget, choices, coerce_choices)
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
@@ -59,17 +59,6 @@ HYDRA_VERSION_BASE = "1.3"
 # --------------------------------------------------------------------------------------------
 # Sections owned by the engine; each checks its values in __post_init__ (quatro_nemo.validation).
 # --------------------------------------------------------------------------------------------
-
-
-class Device(Choice):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class RolloutBackendName(Choice):
-    megatron = "megatron"
-    vllm = "vllm"
 
 
 # distinct correct solutions for UCC@k: "task" (the task's canonical form of a solution) or a

@@ -74,9 +74,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
 
-from quatro_nemo.engine.capabilities import (check_params_dtype, check_sequence_parallel, check_tensor_split,
-                                             check_vllm_layout)
-from quatro_nemo.validation import ConfigError, check_at_least, check_mini_batches, check_token_budget
+from quatro_nemo.engine.capabilities import (Device, RolloutBackendName, check_params_dtype, check_sequence_parallel,
+                                             check_tensor_split, check_vllm_layout)
+from quatro_nemo.validation import (ConfigError, check_at_least, check_mini_batches, check_token_budget, choices,
+                                    coerce_choices)
 
 if TYPE_CHECKING:
     from quatro_nemo.engine.config import ClusterConfig, ExperimentConfig, ScaleConfig, VllmConfig
@@ -172,26 +173,34 @@ class Layout:
                    sequence_parallel=bool(extra.get("sequence_parallel", False)))
 
 
+# the device a plan is for: a trainer.device resolved (Runtime.detect plans ``auto`` as cuda)
+PlannedDevice = choices("PlannedDevice", tuple(d.value for d in Device if d is not Device.auto), __name__)
+
+
 @dataclass
 class Runtime:
     """What the machine, not the config, decides: the device, and whether Transformer Engine (its
     layer spec: flash attention; its FusedAdam) or apex (FusedAdam) import, which selects
     megatron-core's code paths (``quatro_nemo.megatron.models._layer_spec``,
-    ``megatron.core.optimizer``'s ``USING_PYTORCH_OPTIMIZER``)."""
+    ``megatron.core.optimizer``'s ``USING_PYTORCH_OPTIMIZER``). A choice outside its options is
+    refused (ConfigError naming ``Runtime.<field>``)."""
 
-    device: str = "cuda"             # cuda | cpu (the CPU flavour: no CUDA reserve, gloo)
+    device: PlannedDevice = PlannedDevice("cuda")   # cuda | cpu (the CPU flavour: no CUDA reserve, gloo)
     transformer_engine: bool = True  # TE layer spec: flash attention, no s x s scores stored
     fused_adam: bool = True          # TE or apex FusedAdam (else torch.optim.AdamW)
-    rollout_backend: str = "vllm"    # rollout.backend: vllm | megatron (no vLLM memory)
+    rollout_backend: RolloutBackendName = RolloutBackendName.vllm  # rollout.backend (megatron: no vLLM memory)
+
+    def __post_init__(self) -> None:
+        coerce_choices(self, "Runtime")
 
     @classmethod
-    def detect(cls, device: str, rollout_backend: str) -> "Runtime":
+    def detect(cls, device: Device, rollout_backend: RolloutBackendName) -> "Runtime":
         """This machine's runtime for ``trainer.device`` (``auto`` plans a GPU) without importing
         the packages (``importlib.util.find_spec``)."""
         from importlib.util import find_spec
 
         te = find_spec("transformer_engine") is not None
-        return cls(device="cpu" if device == "cpu" else "cuda", transformer_engine=te,
+        return cls(device="cpu" if device == Device.cpu else "cuda", transformer_engine=te,
                    fused_adam=te or find_spec("apex") is not None, rollout_backend=rollout_backend)
 
 
@@ -336,7 +345,7 @@ class MemoryPlan:
     pipeline_parallel: int
     data_parallel: int
     full_recompute: bool
-    device: str
+    device: PlannedDevice
     distributed_optimizer: bool
     total_parameters: int
     parameters_per_gpu: int
@@ -414,7 +423,7 @@ def check_engine_support(m: ModelShape, layout: Layout, vllm: "VllmConfig", runt
     """The engine's rules (``quatro_nemo.engine.capabilities``) for the planned layout."""
     check_tensor_split(m.ffn_hidden_size, layout.tensor_parallel)
     check_sequence_parallel(layout.sequence_parallel)
-    if runtime.rollout_backend == "vllm":
+    if runtime.rollout_backend == RolloutBackendName.vllm:
         check_vllm_layout(layout.pipeline_parallel, layout.tensor_parallel, vllm.tensor_parallel)
 
 
@@ -430,7 +439,7 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: "ClusterConfig", scale: 
     world = cluster.nodes * cluster.gpus_per_node
     s, tokens_mb = work.sequence_length, work.tokens_per_micro_batch
     on_gpu = runtime.device == "cuda"
-    uses_vllm = runtime.rollout_backend == "vllm"
+    uses_vllm = runtime.rollout_backend == RolloutBackendName.vllm
     if scale.distributed_optimizer and dp == 1:
         notes.append("scale.distributed_optimizer with data_parallel=1 shards nothing")
     if on_gpu and not (runtime.transformer_engine and runtime.fused_adam):
@@ -576,7 +585,8 @@ def plan_run(cfg: "ExperimentConfig", runtime: Optional[Runtime] = None) -> Memo
 
 
 __all__ = [
-    "GB", "LOSS_BYTES_PER_LOGIT", "Layout", "MemoryPlan", "ModelShape", "Runtime", "Workload", "check_engine_support",
+    "GB", "LOSS_BYTES_PER_LOGIT", "Layout", "MemoryPlan", "ModelShape", "PlannedDevice", "Runtime", "Workload",
+    "check_engine_support",
     "check_layout", "check_plan", "layer_activation_elements", "layer_parameter_count", "optimizer_step_transient_bytes",
     "plan_memory", "plan_run", "stage_parameter_counts", "total_parameter_count", "training_state_bytes",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quatro_nemo.engine.config import RolloutBackendName
+from quatro_nemo.engine.capabilities import RolloutBackendName
 from quatro_nemo.engine.rollout import MegatronRolloutBackend, RolloutBackend
 from quatro_nemo.engine.vllm_backend import VllmRolloutBackend
 from quatro_nemo.validation import check_choice

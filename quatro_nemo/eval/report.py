@@ -27,8 +27,11 @@ from quatro_nemo.eval.plots import write_plots
 from quatro_nemo.eval.similarity import (DEFAULT_THRESHOLDS, SIMILARITY_METRICS, cluster_near_duplicates,
                                          mean_pairwise_similarity, pairwise_similarity)
 from quatro_nemo.eval.tables import AVERAGE, write_tables
+from quatro_nemo.validation import ConfigError, choices, coerce_choices
 
 PRECOMPUTED = "precomputed"
+# MetricsConfig.ucc_metric: a near-duplicate metric of quatro_nemo.eval.similarity, or "precomputed"
+UccMetric = choices("UccMetric", (*SIMILARITY_METRICS, PRECOMPUTED), __name__)
 DEFAULT_PAIRWISE_METRICS = ("tfidf", "rouge_l", "jaccard", "edit")   # paper App. C.5
 
 
@@ -36,11 +39,11 @@ DEFAULT_PAIRWISE_METRICS = ("tfidf", "rouge_l", "jaccard", "edit")   # paper App
 class MetricsConfig:
     """What :func:`evaluate_runs` computes from samples files (recipes/evaluate.py's metric keys;
     a run's own held-out evaluation is its ``eval:`` section, quatro_nemo.engine.config.EvalConfig).
-    Validated on construction (ValueError naming the field)."""
+    Validated on construction (ConfigError naming the field)."""
 
     ks: Optional[List[int]] = None              # Pass@k grid; None: 1, 2, 4, ..., n
     ucc_ks: Optional[List[int]] = None          # UCC@k grid; None: same as ks
-    ucc_metric: str = "rouge_l"                 # near-duplicate criterion for UCC@k / UCR, or
+    ucc_metric: UccMetric = UccMetric("rouge_l")  # near-duplicate criterion for UCC@k / UCR, or
                                                 # "precomputed": each record's "cluster_sizes"
                                                 # (e.g. a task's canonical solution forms)
     ucc_threshold: Optional[float] = None       # None: DEFAULT_THRESHOLDS[ucc_metric]
@@ -58,22 +61,22 @@ class MetricsConfig:
         for name in ("ks", "ucc_ks"):
             value = getattr(self, name)
             if value is not None and (not value or any(int(k) < 1 for k in value)):
-                raise ValueError(f"MetricsConfig.{name} must be a non-empty list of k >= 1, got {value}")
-        ucc_choices = (("ucc_metric", self.ucc_metric),) if self.ucc_metric != PRECOMPUTED else ()
-        for name, value in ucc_choices + tuple(("pairwise_metrics", m) for m in self.pairwise_metrics):
+                raise ConfigError(f"MetricsConfig.{name} must be a non-empty list of k >= 1, got {value}")
+        coerce_choices(self, "MetricsConfig")
+        for value in self.pairwise_metrics:
             if value not in SIMILARITY_METRICS:
-                raise ValueError(f"MetricsConfig.{name}: unknown similarity {value!r}; "
-                                 f"choose from {sorted(SIMILARITY_METRICS)}")
+                raise ConfigError(f"MetricsConfig.pairwise_metrics: unknown similarity {value!r}; "
+                                  f"choose from {sorted(SIMILARITY_METRICS)}")
         if self.ucc_threshold is None:
             self.ucc_threshold = DEFAULT_THRESHOLDS.get(self.ucc_metric, 1.0)
         if not 0.0 <= self.ucc_threshold <= 1.0:
-            raise ValueError(f"MetricsConfig.ucc_threshold must be in [0, 1], got {self.ucc_threshold}")
+            raise ConfigError(f"MetricsConfig.ucc_threshold must be in [0, 1], got {self.ucc_threshold}")
         if self.max_pairwise_responses < 2:
-            raise ValueError(f"MetricsConfig.max_pairwise_responses must be >= 2, got {self.max_pairwise_responses}")
+            raise ConfigError(f"MetricsConfig.max_pairwise_responses must be >= 2, got {self.max_pairwise_responses}")
         if not 0.0 < self.correct_threshold <= 1.0:
-            raise ValueError(f"MetricsConfig.correct_threshold must be in (0, 1], got {self.correct_threshold}")
+            raise ConfigError(f"MetricsConfig.correct_threshold must be in (0, 1], got {self.correct_threshold}")
         if self.workers < 1:
-            raise ValueError(f"MetricsConfig.workers must be >= 1, got {self.workers}")
+            raise ConfigError(f"MetricsConfig.workers must be >= 1, got {self.workers}")
         self.pairwise_metrics = tuple(self.pairwise_metrics)
         self.bucket_edges = tuple(self.bucket_edges)
 

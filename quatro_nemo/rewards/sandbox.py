@@ -56,6 +56,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from quatro_nemo.rewards.seccomp_filter import build_filter
+from quatro_nemo.validation import Choice, ConfigError, check_choice
 
 _log = logging.getLogger(__name__)
 NOBODY_UID = 65534  # `nobody` on Debian/Ubuntu/RHEL; the overflow uid of user namespaces
@@ -82,12 +83,17 @@ STATUS_SIGNALED = "signaled"              # killed by another signal
 STATUS_MEMORY_LIMIT = "memory_limit"      # the run's cgroup hit memory.max: the kernel's OOM killer struck
 
 
-CGROUP_MODES = ("auto", "required", "off")
+class CgroupMode(Choice):
+    """``SandboxConfig.cgroups``: whether each run gets its own cgroup (module doc)."""
+
+    auto = "auto"            # where the caller may create one; else rlimits only (said once)
+    required = "required"    # refuse to start without one
+    off = "off"              # never try: rlimits only
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxConfig:
-    """Limits of one sandboxed execution. Validated at construction (ValueError names the key)."""
+    """Limits of one sandboxed execution. Validated at construction (ConfigError names the key)."""
 
     wall_timeout_s: float = 10.0          # wall clock, then SIGKILL of the sandbox's PID 1
     cpu_time_s: int = 10                  # RLIMIT_CPU soft limit (hard = soft + 1)
@@ -96,7 +102,7 @@ class SandboxConfig:
     max_processes: int = 32               # RLIMIT_NPROC, counted per sandbox (own user namespace)
     max_open_files: int = 64              # RLIMIT_NOFILE
     scratch_bytes: int = 64 << 20         # size of the tmpfs working directory /sandbox
-    cgroups: str = "auto"                 # "auto": per-run cgroup where possible; "required"; "off"
+    cgroups: CgroupMode = CgroupMode.auto  # per-run cgroups: auto | required | off (CgroupMode)
     python_executable: str = "/usr/bin/python3"   # must lie under one of readonly_paths
     bwrap_executable: str = "bwrap"
     prlimit_executable: str = "prlimit"
@@ -108,23 +114,25 @@ class SandboxConfig:
         for key in ("wall_timeout_s", "cpu_time_s", "memory_bytes", "max_output_bytes",
                     "max_processes", "max_open_files", "scratch_bytes"):
             if not getattr(self, key) > 0:
-                raise ValueError(f"SandboxConfig.{key} must be > 0, got {getattr(self, key)!r}")
-        if self.cgroups not in CGROUP_MODES:
-            raise ValueError(f"SandboxConfig.cgroups must be one of {CGROUP_MODES}, got {self.cgroups!r}")
+                raise ConfigError(f"SandboxConfig.{key} must be > 0, got {getattr(self, key)!r}")
+        # a run config reaches this field as task.verifier_options.cgroups (task.verifier=code: the
+        # options go to CodeVerifier, whose extra keywords override SandboxConfig's fields)
+        object.__setattr__(self, "cgroups", check_choice(
+            "SandboxConfig.cgroups (task.verifier_options.cgroups in a run config)", self.cgroups, CgroupMode))
         if self.sandbox_uid <= 0:
-            raise ValueError(f"SandboxConfig.sandbox_uid must be an unprivileged uid, got {self.sandbox_uid}")
+            raise ConfigError(f"SandboxConfig.sandbox_uid must be an unprivileged uid, got {self.sandbox_uid}")
         object.__setattr__(self, "readonly_paths", tuple(self.readonly_paths))
         for path in self.readonly_paths:
             if not os.path.isabs(path) or not os.path.isdir(path):
-                raise ValueError(f"SandboxConfig.readonly_paths: {path!r} is not an existing absolute directory")
+                raise ConfigError(f"SandboxConfig.readonly_paths: {path!r} is not an existing absolute directory")
         for key in ("python_executable", "shell_executable"):
             path = os.path.realpath(getattr(self, key))
             if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-                raise ValueError(f"SandboxConfig.{key}: {getattr(self, key)!r} is not an executable file")
+                raise ConfigError(f"SandboxConfig.{key}: {getattr(self, key)!r} is not an executable file")
         python = os.path.realpath(self.python_executable)
         if not any(python.startswith(os.path.realpath(p) + os.sep) for p in self.readonly_paths):
-            raise ValueError(f"SandboxConfig.python_executable: {python!r} is not under readonly_paths "
-                             f"{self.readonly_paths}, so it would not exist inside the sandbox")
+            raise ConfigError(f"SandboxConfig.python_executable: {python!r} is not under readonly_paths "
+                              f"{self.readonly_paths}, so it would not exist inside the sandbox")
 
 
 @dataclasses.dataclass
@@ -373,17 +381,17 @@ _CGROUP_EXIT_WAIT_S = 5.0
 _releaser = _CgroupReleaser()
 
 
-def _find_cgroups(mode: str) -> Optional[CgroupParents]:
+def _find_cgroups(mode: CgroupMode) -> Optional[CgroupParents]:
     """The cgroup parents for `mode` (SandboxConfig.cgroups); says once per process when runs
     fall back to rlimits alone."""
     global _cgroup_notice_given
-    if mode == "off":
+    if mode is CgroupMode.off:
         return None
     parents, reason = CgroupParents.find()
     if parents is not None:
         parents.remove_stale()
     if parents is None:
-        if mode == "required":
+        if mode is CgroupMode.required:
             raise RuntimeError(f"SandboxConfig.cgroups='required' but no cgroup can be created: {reason}")
         if not _cgroup_notice_given:
             _cgroup_notice_given = True

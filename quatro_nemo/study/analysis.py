@@ -132,25 +132,25 @@ def entropy_retention(run: RunData) -> Optional[float]:
     return finite(run.train[-1].get("entropy")) / finite(run.train[0]["entropy"])
 
 
-def mean_over_training(key: str) -> Extract:
+def over_training(key: str, reduce: Callable[[List[float]], Any]) -> Extract:
+    """``reduce`` (np.mean, np.max, np.median) of the finite values ``key`` took over a run's
+    training steps; None when it logged none."""
     def extract(run: RunData) -> Optional[float]:
         values = finite_values(r.get(key) for r in run.train)
-        return float(np.mean(values)) if values else None
+        return float(reduce(values)) if values else None
     return extract
+
+
+def mean_over_training(key: str) -> Extract:
+    return over_training(key, np.mean)
 
 
 def peak_over_training(key: str) -> Extract:
-    def extract(run: RunData) -> Optional[float]:
-        values = finite_values(r.get(key) for r in run.train)
-        return float(np.max(values)) if values else None
-    return extract
+    return over_training(key, np.max)
 
 
 def median_over_training(key: str) -> Extract:
-    def extract(run: RunData) -> Optional[float]:
-        values = finite_values(r.get(key) for r in run.train)
-        return float(np.median(values)) if values else None
-    return extract
+    return over_training(key, np.median)
 
 
 @dataclass

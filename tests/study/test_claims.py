@@ -247,3 +247,12 @@ def test_training_curves_skip_the_infinities_metrics_jsonl_logs_as_strings():
                             {"step": 3, "policy/kl_old": 1.5}, {"step": 4, "policy/kl_old": None}])
     assert mean_over_training("policy/kl_old")(run) == pytest.approx(1.0)
     assert peak_over_training("policy/kl_old")(run) == 1.5
+
+
+def test_each_reduction_over_training_applies_its_own_reducer():
+    from quatro_nemo.study.analysis import RunData, mean_over_training, median_over_training, peak_over_training
+    run = RunData("r", {}, [{"step": s, "kl": v} for s, v in enumerate([0.5, 4.0, "-inf", 1.5, None])])
+    assert mean_over_training("kl")(run) == pytest.approx(2.0)      # (0.5 + 4 + 1.5) / 3
+    assert median_over_training("kl")(run) == pytest.approx(1.5)
+    assert peak_over_training("kl")(run) == pytest.approx(4.0)
+    assert median_over_training("absent")(run) is None
