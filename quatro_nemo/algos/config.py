@@ -241,7 +241,7 @@ class GPGConfig(GroupBaselineConfig):
 class DeltaControllerConfig:
     """``algorithm.delta_controller``: adapt QUATRO's global delta between rollout steps so that the
     achieved trust-region KL of the update stays on ``target`` (``adaptive_delta.DeltaController``,
-    docs/quatro-math.md Sec. 7.2; delta is then its starting value)."""
+    docs/quatro-math.md Sec. 7.1; delta is then its starting value)."""
 
     kind: DeltaControllerKind = DeltaControllerKind("off")
     """off (the paper's fixed delta) | kl (the controller on the achieved KL)."""
@@ -275,7 +275,7 @@ class DeltaControllerConfig:
 @dataclass
 class DeltaPerQueryConfig:
     """``algorithm.delta_per_query``: each query's own radius from its group's rewards
-    (``adaptive_delta.per_query_delta``, docs/quatro-math.md Sec. 7.3)."""
+    (``adaptive_delta.per_query_delta``, docs/quatro-math.md Sec. 7.2)."""
 
     kind: DeltaPerQueryRule = DeltaPerQueryRule("off")
     """off (every query gets delta) | reward_variance: delta_q = delta * Var_q(R) / variance_ref,
