@@ -43,10 +43,9 @@ def _section_values(cls: type, values: Any, key: str) -> Dict[str, Any]:
         raise ConfigError(f"{key} must be a mapping of {cls.__name__} fields, got {values!r}")
     known = {f.name: f for f in dataclasses.fields(cls)}
     given = dict(values.items())
-    renamed = {k: RENAMED_KEYS[k] for k in given
-               if k in RENAMED_KEYS and (k not in known or not isinstance(given[k], Mapping))}
+    renamed = [k for k in given if k in RENAMED_KEYS and (k not in known or not isinstance(given[k], Mapping))]
     if renamed:
-        raise ConfigError(f"{key}: " + "; ".join(f"{old} is now {key}.{new}" for old, new in renamed.items()))
+        raise renamed_key_error(renamed[0], key)
     unknown = sorted(k for k in given if k not in known)
     if unknown:
         raise ConfigError(f"{key}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(known)}")
@@ -330,6 +329,11 @@ RENAMED_KEYS = {
     "lr_control": "lr_control.kind",
     **{f"lr_control_{name}": f"lr_control.{name}" for name in ("factor", "min", "max")},
 }
+
+
+def renamed_key_error(old: str, where: str = "algorithm") -> ConfigError:
+    """The error for the flat key ``old`` of :data:`RENAMED_KEYS` given at ``where``, naming its new key."""
+    return ConfigError(f"{where}.{old} is now {where}.{RENAMED_KEYS[old]}")
 
 
 def migrate_renamed_keys(values: Mapping[str, Any]) -> Dict[str, Any]:

@@ -39,7 +39,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from quatro_nemo.algos import ALGORITHMS, AlgorithmConfig, build_algorithm
-from quatro_nemo.algos.config import RENAMED_KEYS, migrate_renamed_keys
+from quatro_nemo.algos.config import RENAMED_KEYS, migrate_renamed_keys, renamed_key_error
 from quatro_nemo.algos.importance import ImportanceCorrection
 from quatro_nemo.algos.schema import algorithm_schema, register_algorithm_schemas
 from quatro_nemo.engine.capabilities import check_engine_support
@@ -397,8 +397,8 @@ def check_renamed_overrides(overrides: Sequence[str]) -> None:
     for override in overrides:
         new = renamed_override(override)
         if new is not None:
-            raise ConfigError(f"{override}: {override.lstrip('+~').partition('=')[0]} is now "
-                              f"{new.lstrip('+~').partition('=')[0]} (write {new})")
+            old = override.lstrip("+~").partition("=")[0][len("algorithm."):]
+            raise ConfigError(f"{override}: {renamed_key_error(old)} (write {new})")
 
 
 CONFIG_ERROR_EXIT_CODE = 2   # a recipe's exit code for a value that failed validation

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Mapping
 from omegaconf import OmegaConf
 
 from quatro_nemo.algos import ALGORITHMS
-from quatro_nemo.algos.config import QUATRO_LOG_RATIOS, RENAMED_KEYS, QuatroConfig
+from quatro_nemo.algos.config import QUATRO_LOG_RATIOS, RENAMED_KEYS, QuatroConfig, renamed_key_error
 from quatro_nemo.tasks.countdown.verifier import REWARD_KINDS
 from quatro_nemo.validation import ConfigError, check_choice, choices
 
@@ -359,7 +359,7 @@ def flat_fields(values: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
         if isinstance(value, Mapping):
             out.update(flat_fields(value, f"{prefix}{key}."))
         elif not prefix and key in RENAMED_KEYS:
-            raise StudyConfigError(f"algorithm.{key} is now algorithm.{RENAMED_KEYS[key]}")
+            raise renamed_key_error(key)
         else:
             out[prefix + key] = value
     return out

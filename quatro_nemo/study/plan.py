@@ -232,7 +232,7 @@ def build_paper_plan(cfg: StudyConfig, reward_of: Optional[RewardOf] = None,
 def stress_settings(cfg: StudyConfig, defaults: Defaults, point: Dict[str, Any]) -> Dict[str, Setting]:
     """One stress point's settings: every ``stress.algorithms`` method at its defaults, and every
     QUATRO arm (``stress.arms``), at the point's K and lr multiplier. An arm field that QUATRO's
-    config does not have (e.g. ``lr_control.kind`` before the loop has it) fails here, naming the arm."""
+    config does not have (misspelt, or an old flat key) fails here, naming the arm."""
     where = dict(inner_loops=point.get("inner_loops"), lr_multiplier=point.get("lr_multiplier", 1.0))
     out = {a: make_setting(defaults, a, **where) for a in cfg.stress.algorithms}
     for arm, fields in cfg.stress.arms.items():

@@ -86,7 +86,7 @@ def test_the_successor_asks_again_on_the_kl_adaptive_lr_with_seeds_for_power():
     ({"common": {"delta": 0.3}}, "adaptive.common"),                    # the arms differ by their radius
     ({"common": {"lr_controll": {"kind": "kl_adaptive"}}}, "adaptive.common"),
     ({"common": {"lr_control": {"kind": "sometimes"}}}, "adaptive.common: QuatroConfig.lr_control.kind"),
-    ({"common": {"lr_control_factor": 2}}, "adaptive.common: lr_control_factor is now adaptive.common.lr_control.factor"),
+    ({"common": {"lr_control_factor": 2}}, "adaptive.common.lr_control_factor is now adaptive.common.lr_control.factor"),
 ])
 def test_bad_adaptive_section_names_the_key(adaptive, key):
     with pytest.raises(StudyConfigError, match=key.replace(".", r"\.")):
