@@ -94,13 +94,13 @@ class DeltaController:
 
     @classmethod
     def from_config(cls, config: Any) -> Optional["DeltaController"]:
-        """The controller of a :class:`QuatroConfig` with ``delta_controller=kl``, else None
+        """The controller of a :class:`QuatroConfig` with ``delta_controller.kind=kl``, else None
         (the paper's fixed delta). Other algorithms have no radius: the caller passes only QUATRO's."""
-        if config.delta_controller == "off":
+        section = config.delta_controller
+        if section.kind == "off":
             return None
-        return cls(delta=config.delta, target=config.delta_controller_target, gain=config.delta_controller_gain,
-                   max_factor=config.delta_controller_max_factor, delta_min=config.delta_controller_min,
-                   delta_max=config.delta_controller_max)
+        return cls(delta=config.delta, target=section.target, gain=section.gain, max_factor=section.max_factor,
+                   delta_min=section.min, delta_max=section.max)
 
     def update(self, measured_kl: Optional[float]) -> float:
         """One step of the rule above; returns the new delta."""

@@ -61,8 +61,9 @@ def quatro_advantages(rewards: torch.Tensor, config: QuatroConfig) -> AdvantageO
     ``quatro/delta/{mean,min,max}`` over the non-constant groups are added."""
     _check_config(config, QuatroConfig, "quatro")
     delta = config.delta
-    if config.delta_per_query == "reward_variance":
-        delta = per_query_delta(rewards, config.delta, config.delta_variance_ref, config.delta_cap_fraction,
+    per_query = config.delta_per_query
+    if per_query.kind == "reward_variance":
+        delta = per_query_delta(rewards, config.delta, per_query.variance_ref, per_query.cap_fraction,
                                 config.lambda_min)
     sol = solve_dual(rewards, delta, lambda_min=config.lambda_min, max_iter=config.solver_max_iter)
     advantages = sol.advantages.to(_output_dtype(rewards))

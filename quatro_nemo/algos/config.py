@@ -12,7 +12,9 @@ Defaults follow ``shared/docs/quatro-math.md`` (Sec. 4-5), the paper (App. B: be
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import functools
+import typing
+from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from quatro_nemo.algos.adaptive_delta import DELTA_CONTROLLERS, PER_QUERY_RULES
@@ -32,6 +34,31 @@ LrControl = choices("LrControl", LR_CONTROLS, __name__)
 
 def _check_number(owner: str, name: str, value: Any, **rule: bool) -> None:
     check_number(f"{owner}.{name}", value, **rule)
+
+
+def _section_values(cls: type, values: Any, key: str) -> Dict[str, Any]:
+    """The keyword arguments of dataclass ``cls`` from the mapping ``values`` found at ``key``:
+    a nested section's mapping becomes its dataclass; ConfigError naming ``key`` for anything else."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{key} must be a mapping of {cls.__name__} fields, got {values!r}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    given = dict(values.items())
+    renamed = [k for k in given if k in RENAMED_KEYS and (k not in known or not isinstance(given[k], Mapping))]
+    if renamed:
+        raise renamed_key_error(renamed[0], key)
+    unknown = sorted(k for k in given if k not in known)
+    if unknown:
+        raise ConfigError(f"{key}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(known)}")
+    sections = _section_types(cls)
+    return {k: sections[k](**_section_values(sections[k], v, f"{key}.{k}")) if k in sections else v
+            for k, v in given.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _section_types(cls: type) -> Dict[str, type]:
+    """Field name -> dataclass type of ``cls``'s nested sections."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
 
 
 @dataclass
@@ -66,18 +93,12 @@ class AlgorithmConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "algorithm"):
-        """Build the config from a mapping (dict or OmegaConf section); reject unknown keys.
+        """Build the config from a mapping (dict or OmegaConf section), its nested sections from
+        nested mappings; reject unknown keys (a renamed one with its new name, :data:`RENAMED_KEYS`).
 
         ``source`` names where the mapping came from, for the error message.
         """
-        known = {f.name for f in dataclasses.fields(cls)}
-        given = dict(values.items())
-        unknown = sorted(k for k in given if k not in known)
-        if unknown:
-            raise ConfigError(
-                f"{source}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(known)}"
-            )
-        return cls(**given)
+        return cls(**_section_values(cls, values, source))
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -216,6 +237,118 @@ class GPGConfig(GroupBaselineConfig):
 
 
 @dataclass
+class DeltaControllerConfig:
+    """``algorithm.delta_controller``: adapt QUATRO's global delta between rollout steps so that the
+    achieved trust-region KL of the update stays on ``target`` (``adaptive_delta.DeltaController``,
+    docs/quatro-math.md Sec. 7.1; delta is then its starting value)."""
+
+    kind: DeltaControllerKind = DeltaControllerKind("off")
+    """off (the paper's fixed delta) | kl (the controller on the achieved KL)."""
+    target: float = 0.015
+    """The achieved KL to hold (> 0). 0.015: what the paper's delta = 0.1 achieves at the CPU
+    default's lr on the binary task (measured, docs/quatro-math.md Sec. 7.1)."""
+    gain: float = 0.5
+    """Exponent of the multiplicative update, in (0, 2)."""
+    max_factor: float = 2.0
+    """Largest change of delta per step (> 1)."""
+    min: float = 0.001
+    """Lower bound on delta (0 < min < max)."""
+    max: float = 1.0
+    """Upper bound on delta."""
+
+    def validate(self, key: str) -> None:
+        coerce_choices(self, key)
+        check_number(f"{key}.target", self.target, positive=True)
+        check_number(f"{key}.gain", self.gain, positive=True)
+        if self.gain >= 2:
+            raise ConfigError(f"{key}.gain must be in (0, 2), got {self.gain!r}")
+        check_number(f"{key}.max_factor", self.max_factor, positive=True)
+        if self.max_factor <= 1:
+            raise ConfigError(f"{key}.max_factor must be > 1, got {self.max_factor!r}")
+        check_number(f"{key}.min", self.min, positive=True)
+        check_number(f"{key}.max", self.max, positive=True)
+        if self.min >= self.max:
+            raise ConfigError(f"{key}.min ({self.min!r}) must be below {key}.max ({self.max!r})")
+
+
+@dataclass
+class DeltaPerQueryConfig:
+    """``algorithm.delta_per_query``: each query's own radius from its group's rewards
+    (``adaptive_delta.per_query_delta``, docs/quatro-math.md Sec. 7.2)."""
+
+    kind: DeltaPerQueryRule = DeltaPerQueryRule("off")
+    """off (every query gets delta) | reward_variance: delta_q = delta * Var_q(R) / variance_ref,
+    capped at cap_fraction of the KL the solver can reach."""
+    variance_ref: float = 0.25
+    """The reward variance that gets the full delta (> 0; 0.25: a 0/1 group at p = 1/2)."""
+    cap_fraction: float = 0.9
+    """In (0, 1): keeps each per-query constraint binding."""
+
+    def validate(self, key: str) -> None:
+        coerce_choices(self, key)
+        check_number(f"{key}.variance_ref", self.variance_ref, positive=True)
+        check_number(f"{key}.cap_fraction", self.cap_fraction)
+        check_in_unit_interval(f"{key}.cap_fraction", self.cap_fraction, closed_high=False)
+
+
+@dataclass
+class LrControlConfig:
+    """``algorithm.lr_control``: a step that honours the radius (``lr_control.KlAdaptiveLr``,
+    docs/quatro-math.md Sec. 7.4)."""
+
+    kind: LrControl = LrControl("fixed")
+    """fixed (trainer.lr) | kl_adaptive: after each rollout step the lr multiplier is divided by
+    ``factor`` when the achieved KL exceeds 2 delta and multiplied by it below delta / 2."""
+    factor: float = 1.5
+    """The multiplier's step (> 1)."""
+    min: float = 0.01
+    """Lower bound on the multiplier (0 < min <= 1)."""
+    max: float = 10.0
+    """Upper bound on the multiplier (>= 1)."""
+
+    def validate(self, key: str) -> None:
+        coerce_choices(self, key)
+        check_number(f"{key}.factor", self.factor, positive=True)
+        if self.factor <= 1:
+            raise ConfigError(f"{key}.factor must be > 1, got {self.factor!r}")
+        check_number(f"{key}.min", self.min, positive=True)
+        check_number(f"{key}.max", self.max, positive=True)
+        if not self.min <= 1.0 <= self.max:
+            raise ConfigError(f"{key}.min ({self.min!r}) and {key}.max ({self.max!r}) must bracket 1 "
+                              "(the configured lr)")
+
+
+# The flat keys QUATRO's sections replaced (old key -> its key under algorithm.): an old run's saved
+# config is migrated (:func:`migrate_renamed_keys`), anything else given an old key is refused naming the new one.
+RENAMED_KEYS = {
+    "delta_controller": "delta_controller.kind",
+    **{f"delta_controller_{name}": f"delta_controller.{name}" for name in ("target", "gain", "max_factor", "min", "max")},
+    "delta_per_query": "delta_per_query.kind",
+    "delta_variance_ref": "delta_per_query.variance_ref",
+    "delta_cap_fraction": "delta_per_query.cap_fraction",
+    "lr_control": "lr_control.kind",
+    **{f"lr_control_{name}": f"lr_control.{name}" for name in ("factor", "min", "max")},
+}
+
+
+def renamed_key_error(old: str, where: str = "algorithm") -> ConfigError:
+    """The error for the flat key ``old`` of :data:`RENAMED_KEYS` given at ``where``, naming its new key."""
+    return ConfigError(f"{where}.{old} is now {where}.{RENAMED_KEYS[old]}")
+
+
+def migrate_renamed_keys(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """An algorithm section (a plain mapping) with every flat key of :data:`RENAMED_KEYS` moved to
+    its nested section (a run saved before the sections existed); a nested section is kept as it is."""
+    out = dict(values)
+    for old, new in RENAMED_KEYS.items():
+        if old in out and not isinstance(out[old], Mapping):
+            section, name = new.split(".")
+            value = out.pop(old)
+            out[section] = {**(out.get(section) if isinstance(out.get(section), Mapping) else {}), name: value}
+    return out
+
+
+@dataclass
 class QuatroConfig(AlgorithmConfig):
     """QUATRO (quatro-math.md Sec. 2-4).
 
@@ -229,30 +362,12 @@ class QuatroConfig(AlgorithmConfig):
     log_ratio_clamp: optional upper clamp on log s_i before exp (safety, off by default).
     clip_low / clip_high: optional GSPO-style clip of s_i; both None (default) or both set.
     solver_max_iter: cap on the dual solver's passes over the rewards, per phase (solve_dual's max_iter).
+    log_achieved_kl: on by default for QUATRO (``trust_region/*`` metrics; one more forward pass).
 
-    Adaptive radius (issue 19, ``adaptive_delta.py``, docs/quatro-math.md Sec. 7); both off by
-    default, which is the paper's fixed delta:
-    delta_controller:            ``off`` | ``kl``: adapt the global delta between rollout steps so the
-                                 achieved trust-region KL of the update stays on ``..._target``
-                                 (``DeltaController``; delta is then its starting value).
-    delta_controller_target:     the achieved KL to hold (> 0). 0.015: what the paper's delta = 0.1
-                                 achieves at the CPU default's lr on the binary task (measured,
-                                 docs/quatro-math.md Sec. 7.1).
-    delta_controller_gain:       exponent of the multiplicative update, in (0, 2).
-    delta_controller_max_factor: largest change of delta per step (> 1).
-    delta_controller_min / _max: bounds on delta (0 < min < max).
-    delta_per_query:             ``off`` | ``reward_variance``: delta_q = delta * Var_q(R) / delta_variance_ref,
-                                 capped at delta_cap_fraction of the KL the solver can reach (``per_query_delta``).
-    delta_variance_ref:          reward variance that gets the full delta (0.25: a 0/1 group at p = 1/2).
-    delta_cap_fraction:          in (0, 1): keeps each per-query constraint binding.
-
-    A step that honours the radius (issue 29, ``lr_control.py``, docs/quatro-math.md Sec. 7.4):
-    lr_control:        ``fixed`` (default: trainer.lr) | ``kl_adaptive``: after each rollout step the
-                       lr multiplier is divided by ``lr_control_factor`` when the achieved KL exceeds
-                       2 delta and multiplied by it below delta / 2 (``KlAdaptiveLr``).
-    lr_control_factor: > 1.
-    lr_control_min / _max: bounds on the multiplier (0 < min <= 1 <= max).
-    log_achieved_kl:   on by default for QUATRO (``trust_region/*`` metrics; one more forward pass).
+    Adaptive radius (issue 19, ``adaptive_delta.py``, docs/quatro-math.md Sec. 7), both off by
+    default (the paper's fixed delta): the sections ``delta_controller`` (:class:`DeltaControllerConfig`)
+    and ``delta_per_query`` (:class:`DeltaPerQueryConfig`). A step that honours the radius (issue 29,
+    ``lr_control.py``, Sec. 7.4): ``lr_control`` (:class:`LrControlConfig`, default fixed).
     """
 
     delta: float = 0.1
@@ -264,29 +379,23 @@ class QuatroConfig(AlgorithmConfig):
     clip_high: Optional[float] = None
     loss_agg_mode: LossAggMode = LossAggMode("seq-mean-token-mean")
     solver_max_iter: int = 100
-    delta_controller: DeltaControllerKind = DeltaControllerKind("off")
-    """off | kl (``adaptive_delta.DeltaController``)."""
-    delta_controller_target: float = 0.015
-    delta_controller_gain: float = 0.5
-    delta_controller_max_factor: float = 2.0
-    delta_controller_min: float = 0.001
-    delta_controller_max: float = 1.0
-    delta_per_query: DeltaPerQueryRule = DeltaPerQueryRule("off")
-    """off | reward_variance (``adaptive_delta.per_query_delta``)."""
-    delta_variance_ref: float = 0.25
-    delta_cap_fraction: float = 0.9
-    lr_control: LrControl = LrControl("fixed")
-    """fixed | kl_adaptive (``lr_control.KlAdaptiveLr``: the lr follows the achieved KL to delta)."""
-    lr_control_factor: float = 1.5
-    lr_control_min: float = 0.01
-    lr_control_max: float = 10.0
+    delta_controller: DeltaControllerConfig = field(default_factory=DeltaControllerConfig)
+    """The adaptive global radius (kind off | kl)."""
+    delta_per_query: DeltaPerQueryConfig = field(default_factory=DeltaPerQueryConfig)
+    """Each query's own radius (kind off | reward_variance)."""
+    lr_control: LrControlConfig = field(default_factory=LrControlConfig)
+    """The learning rate that follows the achieved KL to delta (kind fixed | kl_adaptive)."""
     log_achieved_kl: bool = True
 
     def validate(self) -> None:
         super().validate()
         owner = type(self).__name__
         _check_number(owner, "delta", self.delta, positive=True)
-        self._validate_adaptive_delta(owner)
+        for name, section_type in _section_types(type(self)).items():
+            section = getattr(self, name)
+            if not isinstance(section, section_type):
+                raise ConfigError(f"{owner}.{name} must be a {section_type.__name__}, got {section!r}")
+            section.validate(f"{owner}.{name}")
         _check_number(owner, "lambda_min", self.lambda_min, positive=True)
         _check_number(owner, "log_ratio_clamp", self.log_ratio_clamp, positive=True, optional=True)
         _check_number(owner, "clip_low", self.clip_low, positive=True, optional=True)
@@ -295,32 +404,7 @@ class QuatroConfig(AlgorithmConfig):
             raise ConfigError(f"{owner}.clip_low and {owner}.clip_high must both be set or both be None")
         _check_number(owner, "solver_max_iter", self.solver_max_iter, integer=True, positive=True)
 
-    def _validate_adaptive_delta(self, owner: str) -> None:
-        _check_number(owner, "delta_controller_target", self.delta_controller_target, positive=True)
-        _check_number(owner, "delta_controller_gain", self.delta_controller_gain, positive=True)
-        if self.delta_controller_gain >= 2:
-            raise ConfigError(f"{owner}.delta_controller_gain must be in (0, 2), got {self.delta_controller_gain!r}")
-        _check_number(owner, "delta_controller_max_factor", self.delta_controller_max_factor, positive=True)
-        if self.delta_controller_max_factor <= 1:
-            raise ConfigError(f"{owner}.delta_controller_max_factor must be > 1, got {self.delta_controller_max_factor!r}")
-        _check_number(owner, "delta_controller_min", self.delta_controller_min, positive=True)
-        _check_number(owner, "delta_controller_max", self.delta_controller_max, positive=True)
-        if self.delta_controller_min >= self.delta_controller_max:
-            raise ConfigError(f"{owner}.delta_controller_min ({self.delta_controller_min!r}) must be below "
-                             f"{owner}.delta_controller_max ({self.delta_controller_max!r})")
-        _check_number(owner, "delta_variance_ref", self.delta_variance_ref, positive=True)
-        _check_number(owner, "delta_cap_fraction", self.delta_cap_fraction)
-        check_in_unit_interval(f"{owner}.delta_cap_fraction", self.delta_cap_fraction, closed_high=False)
-        _check_number(owner, "lr_control_factor", self.lr_control_factor, positive=True)
-        if self.lr_control_factor <= 1:
-            raise ConfigError(f"{owner}.lr_control_factor must be > 1, got {self.lr_control_factor!r}")
-        _check_number(owner, "lr_control_min", self.lr_control_min, positive=True)
-        _check_number(owner, "lr_control_max", self.lr_control_max, positive=True)
-        if not self.lr_control_min <= 1.0 <= self.lr_control_max:
-            raise ConfigError(f"{owner}.lr_control_min ({self.lr_control_min!r}) and {owner}.lr_control_max "
-                             f"({self.lr_control_max!r}) must bracket 1 (the configured lr)")
-
     @property
     def adaptive_delta(self) -> bool:
         """Whether either adaptive strategy is on (their metrics are logged only then)."""
-        return self.delta_controller != "off" or self.delta_per_query != "off"
+        return self.delta_controller.kind != "off" or self.delta_per_query.kind != "off"

@@ -3,7 +3,7 @@
 QUATRO's delta is the KL of the *target* pi* of each query (Eq. 11), but under Adam the step the
 optimizer takes towards pi* is set by the learning rate: the achieved trust-region KL of an update
 (:attr:`quatro_nemo.algos.step_state.TrustRegionLog.achieved_kl`) is 8-100x below delta at the CPU default
-and grows with the lr whatever delta is. ``algorithm.lr_control=kl_adaptive`` closes that loop the
+and grows with the lr whatever delta is. ``algorithm.lr_control.kind=kl_adaptive`` closes that loop the
 way PPO implementations with a KL-adaptive learning rate do, with delta as the desired KL.
 
 Pure Python (no Megatron): the loop measures the achieved KL and reads the multiplier.
@@ -44,10 +44,11 @@ class KlAdaptiveLr:
 
     @classmethod
     def from_config(cls, config: Any) -> Optional["KlAdaptiveLr"]:
-        """The controller of a QuatroConfig with ``lr_control=kl_adaptive``, else None (fixed lr)."""
-        if config.lr_control == "fixed":
+        """The controller of a QuatroConfig with ``lr_control.kind=kl_adaptive``, else None (fixed lr)."""
+        section = config.lr_control
+        if section.kind == "fixed":
             return None
-        return cls(factor=config.lr_control_factor, low=config.lr_control_min, high=config.lr_control_max)
+        return cls(factor=section.factor, low=section.min, high=section.max)
 
     def update(self, measured_kl: Optional[float], delta: float) -> float:
         """One step of the rule above; returns the new multiplier."""

@@ -27,7 +27,7 @@ from quatro_nemo.algos.lr_control import KlAdaptiveLr
 ACHIEVED_KL = "trust_region/achieved_kl"                   # mean over the informative prompts
 ACHIEVED_KL_MAX = "trust_region/achieved_kl_max"           # the largest prompt's
 ACHIEVED_OVER_DELTA = "trust_region/achieved_over_delta"   # achieved KL / the step's delta
-LR_MULTIPLIER = "trust_region/lr_multiplier"               # lr_control=kl_adaptive's multiplier
+LR_MULTIPLIER = "trust_region/lr_multiplier"               # lr_control.kind=kl_adaptive's multiplier
 
 
 @dataclass
@@ -98,10 +98,10 @@ class TrustRegionLog:
 
 
 class QuatroState(TrustRegionLog):
-    """QUATRO's state: the adaptive radius (``delta_controller=kl``, :class:`DeltaController`)
-    and the KL-adaptive learning rate (``lr_control=kl_adaptive``, :class:`KlAdaptiveLr`), both
+    """QUATRO's state: the adaptive radius (``delta_controller.kind=kl``, :class:`DeltaController`)
+    and the KL-adaptive learning rate (``lr_control.kind=kl_adaptive``, :class:`KlAdaptiveLr`), both
     driven by the same measured achieved KL (they compose: the radius tracks
-    ``delta_controller_target`` while the lr makes the step track the radius). Adds
+    ``delta_controller.target`` while the lr makes the step track the radius). Adds
     ``trust_region/achieved_over_delta`` (achieved KL / the step's global delta; with
     ``delta_per_query`` each prompt's own radius is delta_q <= delta)."""
 

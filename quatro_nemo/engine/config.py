@@ -39,6 +39,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from quatro_nemo.algos import ALGORITHMS, AlgorithmConfig, build_algorithm
+from quatro_nemo.algos.config import RENAMED_KEYS, migrate_renamed_keys, renamed_key_error
 from quatro_nemo.algos.importance import ImportanceCorrection
 from quatro_nemo.algos.schema import algorithm_schema, register_algorithm_schemas
 from quatro_nemo.engine.capabilities import Device, RolloutBackendName, check_engine_support
@@ -329,6 +330,8 @@ def validate(cfg: DictConfig) -> ExperimentConfig:
         composed.pop(key, None)
     if isinstance(composed.get("scale"), dict):  # older runs saved scale.reference_on_gpu (always true: removed)
         composed["scale"].pop("reference_on_gpu", None)
+    if isinstance(composed.get("algorithm"), dict):  # older runs saved QUATRO's flat delta_* / lr_control_* keys
+        composed["algorithm"] = migrate_renamed_keys(composed["algorithm"])
     tree = _typed_tree(composed)
     sections = {f.name: _section_object(tree, f.name) for f in dataclasses.fields(ExperimentSections)}
     raw = OmegaConf.create(OmegaConf.to_container(tree, enum_to_str=True))  # plain data: choices as strings
@@ -365,6 +368,28 @@ def split_primary(argv: Sequence[str], default: Optional[str] = DEFAULT_PRIMARY)
     return (names[-1] if names else default), [arg for arg in argv if not arg.startswith(PRIMARY_KEY + "=")]
 
 
+def renamed_override(override: str) -> Optional[str]:
+    """A command-line override of a flat QUATRO key that became a nested one, written with the new
+    key (``algorithm.delta_controller_target=0.02`` -> ``algorithm.delta_controller.target=0.02``;
+    :data:`~quatro_nemo.algos.config.RENAMED_KEYS`); None for any other override."""
+    body = override.lstrip("+~")
+    key, is_assignment, value = body.partition("=")
+    old = key[len("algorithm."):] if key.startswith("algorithm.") else None
+    if old not in RENAMED_KEYS or (is_assignment and value.lstrip().startswith("{")):  # {...}: a whole section
+        return None
+    return f"{override[:len(override) - len(body)]}algorithm.{RENAMED_KEYS[old]}{body[len(key):]}"
+
+
+def check_renamed_overrides(overrides: Sequence[str]) -> None:
+    """Refuse an override of a renamed key (:func:`renamed_override`) naming the new key, before
+    Hydra composes (whose own message says only that the key is unknown or ill-typed)."""
+    for override in overrides:
+        new = renamed_override(override)
+        if new is not None:
+            old = override.lstrip("+~").partition("=")[0][len("algorithm."):]
+            raise ConfigError(f"{override}: {renamed_key_error(old)} (write {new})")
+
+
 CONFIG_ERROR_EXIT_CODE = 2   # a recipe's exit code for a value that failed validation
 
 
@@ -386,6 +411,8 @@ def run_hydra_app(hydra_job: Callable[[], None], argv: Sequence[str]) -> int:
     primary, rest = split_primary(argv, default=None)
     sys.argv = [sys.argv[0], *([f"--config-name={primary}"] if primary else []), *rest]
     try:
+        with config_errors_exit():
+            check_renamed_overrides(rest)
         hydra_job()
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 1
@@ -413,6 +440,7 @@ def compose(argv: Sequence[str] = (), conf_dir: str = CONF_DIR) -> DictConfig:
     from hydra.errors import HydraException
 
     primary, overrides = split_primary(argv)
+    check_renamed_overrides(overrides)
     register_configs()
     try:
         with _hydra_initialized(conf_dir):

@@ -6,7 +6,7 @@ then every ``adaptive.stress`` setting: a larger learning rate, more inner loops
 QUATRO at every fixed delta of ``adaptive.fixed_deltas`` and with every strategy of
 ``adaptive.strategies`` (QuatroConfig fields, the same for every task and condition: no tuning
 per task), every arm with the QuatroConfig fields of ``adaptive.common`` too (e.g.
-``lr_control: kl_adaptive``, conf/study/adaptive_lr.yaml). It answers two questions, each a claim per strategy with the study's paired
+``lr_control: {kind: kl_adaptive}``, conf/study/adaptive_lr.yaml). It answers two questions, each a claim per strategy with the study's paired
 statistics (paired t over seeds, Holm within the claim, :mod:`quatro_nemo.study.stats`):
 
 - ``frontier_<strategy>``: does the strategy reach the best fixed delta's accuracy / diversity
@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from quatro_nemo.study.config import DEFAULT_CONDITION, QUATRO, StudyConfig
+from quatro_nemo.study.config import DEFAULT_CONDITION, QUATRO, StudyConfig, flat_fields
 from quatro_nemo.study.plan import Defaults, RunSpec, Setting, StudyPlan, make_setting, run_overrides
 from quatro_nemo.study.stats import is_not_run
 
@@ -81,8 +81,9 @@ def build_adaptive_plan(cfg: StudyConfig, defaults: Defaults) -> StudyPlan:
         for condition, values in conditions.items():
             common = dict(inner_loops=values.get("inner_loops"), lr_multiplier=float(values.get("lr_multiplier", 1.0)),
                           task_overrides=task_overrides(task))
-            arms = {arm: dict(ad.common, delta=delta) for arm, delta in fixed.items()}
-            arms.update({name: {**ad.common, **fields} for name, fields in ad.strategies.items()})
+            shared = flat_fields(ad.common)
+            arms = {arm: dict(shared, delta=delta) for arm, delta in fixed.items()}
+            arms.update({name: {**shared, **flat_fields(fields)} for name, fields in ad.strategies.items()})
             for arm, fields in arms.items():
                 setting = make_setting(defaults, QUATRO, **common, **fields)
                 settings[(task, condition, arm)] = setting

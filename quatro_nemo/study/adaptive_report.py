@@ -15,7 +15,7 @@ from quatro_nemo.study.adaptive import (FULL_EVALUATION_NOTE, AdaptivePlan, adap
                                         retention)
 from quatro_nemo.study.analysis import (Study, claims_to_json, final_metric, load_base, load_runs, mean_over_training,
                                         peak_over_training, trust_region_rows, trust_region_to_json)
-from quatro_nemo.study.config import DEFAULT_CONDITION, StudyConfig
+from quatro_nemo.study.config import DEFAULT_CONDITION, StudyConfig, flat_fields
 from quatro_nemo.study.plan import StudyPlan
 from quatro_nemo.study.render import (band, claim_lines, finish_frontier_panel, fmt_stat, fmt_value, info_lines,
                                       plot_trust_region, power_lines, save_figure, top_p_label, trust_region_lines)
@@ -147,7 +147,7 @@ def to_markdown(study: Study, claims: Sequence[Any], figures: Dict[str, str], in
     ad: AdaptivePlan = plan.adaptive
     kmax = adaptive_kmax(study)
     missing = [n for n in plan.runs if n not in study.runs]
-    strategies = ", ".join(f"`{name}` ({', '.join(f'{k}={v}' for k, v in fields.items())})"
+    strategies = ", ".join(f"`{name}` ({', '.join(f'{k}={v}' for k, v in flat_fields(fields).items())})"
                            for name, fields in cfg.adaptive.strategies.items())
     stress = ", ".join(f"`{name}` ({', '.join(f'{k}={v:g}' for k, v in values.items())})"
                        for name, values in cfg.adaptive.stress.items())

@@ -30,12 +30,12 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Mapping
 
 from omegaconf import OmegaConf
 
 from quatro_nemo.algos import ALGORITHMS
-from quatro_nemo.algos.config import QUATRO_LOG_RATIOS, QuatroConfig
+from quatro_nemo.algos.config import QUATRO_LOG_RATIOS, RENAMED_KEYS, QuatroConfig, renamed_key_error
 from quatro_nemo.tasks.countdown.verifier import REWARD_KINDS
 from quatro_nemo.validation import ConfigError, check_choice, choices
 
@@ -179,7 +179,7 @@ class StressConfig:
     """Fixed stress points (issue 29): every method of ``algorithms`` (and every arm) runs at every
     point over ``seeds``; each point is its own claim, QUATRO against each baseline on the final
     held-out reward *at that point* (no search, no loss averaged over searched points). ``arms``
-    are extra QUATRO variants (name -> QuatroConfig fields, e.g. ``{lr_control: kl_adaptive}``)
+    are extra QUATRO variants (name -> QuatroConfig fields, e.g. ``{lr_control: {kind: kl_adaptive}}``)
     tested at each point against the baselines and against QUATRO itself; a field the algorithm
     config does not have fails when the plan is built, naming the arm."""
 
@@ -349,6 +349,34 @@ def load_study_config(name_or_path: str) -> StudyConfig:
     return study_config_from_dict(values)
 
 
+def flat_fields(values: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """Algorithm fields with their nested sections' fields as dotted keys
+    (``{"lr_control": {"kind": "kl_adaptive"}}`` -> ``{"lr_control.kind": "kl_adaptive"}``): what
+    a run's settings and overrides are made of. An old flat key (``lr_control: kl_adaptive``) is
+    refused naming its new key."""
+    out: Dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            out.update(flat_fields(value, f"{prefix}{key}."))
+        elif not prefix and key in RENAMED_KEYS:
+            raise renamed_key_error(key)
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def nested_fields(flat: Mapping[str, Any]) -> Dict[str, Any]:
+    """The inverse of :func:`flat_fields`."""
+    out: Dict[str, Any] = {}
+    for key, value in flat.items():
+        *sections, name = key.split(".")
+        node = out
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # kind: adaptive (issue 19; the study itself: quatro_nemo/study/adaptive.py)
 # --------------------------------------------------------------------------------------------
@@ -357,7 +385,7 @@ DEFAULT_CONDITION = "default"
 
 
 def _default_strategies() -> Dict[str, Dict[str, Any]]:
-    return {"controller": {"delta_controller": "kl"}, "variance": {"delta_per_query": "reward_variance"}}
+    return {"controller": {"delta_controller": {"kind": "kl"}}, "variance": {"delta_per_query": {"kind": "reward_variance"}}}
 
 
 def _default_stress() -> Dict[str, Dict[str, Any]]:
@@ -371,7 +399,7 @@ class AdaptiveStudyConfig:
     tasks: List[str] = field(default_factory=lambda: list(REWARD_KINDS))     # task.reward values
     fixed_deltas: List[float] = field(default_factory=lambda: [0.02, 0.05, 0.1, 0.2])
     strategies: Dict[str, Dict[str, Any]] = field(default_factory=_default_strategies)  # name -> QuatroConfig fields
-    # QuatroConfig fields every arm (fixed deltas and strategies) shares, e.g. {lr_control: kl_adaptive}
+    # QuatroConfig fields every arm (fixed deltas and strategies) shares, e.g. {lr_control: {kind: kl_adaptive}}
     common: Dict[str, Any] = field(default_factory=dict)
     stress: Dict[str, Dict[str, Any]] = field(default_factory=_default_stress)  # name -> inner_loops / lr_multiplier
     seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
@@ -401,11 +429,12 @@ class AdaptiveStudyConfig:
             if not isinstance(fields, dict):
                 raise StudyConfigError(f"{key} must be a mapping of QuatroConfig fields, got {fields!r}")
             try:
-                config = QuatroConfig.from_dict({**self.common, **fields}, source=key)
+                config = QuatroConfig.from_dict(nested_fields({**flat_fields(self.common), **flat_fields(fields)}),
+                                                source=key)
             except ValueError as exc:
                 raise StudyConfigError(f"{key}: {exc}") from exc
             if not config.adaptive_delta:
-                raise StudyConfigError(f"{key} turns no adaptive radius on (delta_controller or delta_per_query)")
+                raise StudyConfigError(f"{key} turns no adaptive radius on (delta_controller.kind or delta_per_query.kind)")
         _check_stress_points("adaptive.stress", self.stress)
         _check_seeds("adaptive.seeds", self.seeds)
         if not 0.0 < self.tolerance <= 1.0:

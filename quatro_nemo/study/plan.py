@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from quatro_nemo.engine.config import load_config
-from quatro_nemo.study.config import QUATRO, StudyConfig, StudyConfigError
+from quatro_nemo.study.config import QUATRO, StudyConfig, StudyConfigError, flat_fields
 
 
 @dataclass(frozen=True)
@@ -24,15 +24,23 @@ class Setting:
     algorithm: str
     inner_loops: int
     lr_multiplier: float
-    algo_overrides: Tuple[Tuple[str, Any], ...] = ()   # sorted (field, value), non-default only
+    algo_overrides: Tuple[Tuple[str, Any], ...] = ()   # sorted (field, value), non-default only; a nested
+                                                       # section's field as a dotted key (lr_control.kind)
     task_overrides: Tuple[str, ...] = ()               # key=value of the task section (e.g. task.reward=graded)
 
     @property
     def label(self) -> str:
-        extra = "".join(f"-{key}_{value}" for key, value in self.algo_overrides)
+        extra = "".join(f"-{label_key(key)}_{value}" for key, value in self.algo_overrides)
         extra += "".join("-{}_{}".format(key.rsplit(".", 1)[-1], value)
                          for key, value in (item.split("=", 1) for item in self.task_overrides))
         return f"{self.algorithm}-K{self.inner_loops}-lr{self.lr_multiplier:g}x{extra}"
+
+
+def label_key(key: str) -> str:
+    """An algorithm field in a run's name: a section's ``kind`` by the section's name, other
+    dots as ``_`` (``delta_controller.kind`` -> ``delta_controller``, ``delta_controller.target``
+    -> ``delta_controller_target``: the names the flat keys before the sections gave)."""
+    return key.removesuffix(".kind").replace(".", "_")
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,7 @@ class Defaults:
 
     lr: float
     inner_loops: int
-    algorithm_fields: Dict[str, Dict[str, Any]]   # algorithm -> its default config fields
+    algorithm_fields: Dict[str, Dict[str, Any]]   # algorithm -> its default config fields (flat_fields)
 
 
 # The study evaluates each run's final policy itself (quatro_nemo.study.evaluation, with the base
@@ -83,7 +91,7 @@ def read_defaults(cfg: StudyConfig, algorithms: Sequence[str]) -> Defaults:
     lr = inner = None
     for name in algorithms:
         composed = load_config(base + [f"algorithm={name}"])
-        fields[name] = dataclasses.asdict(composed.algorithm)
+        fields[name] = flat_fields(dataclasses.asdict(composed.algorithm))
         lr, inner = composed.trainer.lr, composed.trainer.inner_loops
     return Defaults(lr=lr, inner_loops=inner, algorithm_fields=fields)
 
@@ -91,6 +99,7 @@ def read_defaults(cfg: StudyConfig, algorithms: Sequence[str]) -> Defaults:
 def make_setting(defaults: Defaults, algorithm: str, inner_loops: Optional[int] = None,
                  lr_multiplier: float = 1.0, task_overrides: Tuple[str, ...] = (), **algo_overrides: Any) -> Setting:
     known = defaults.algorithm_fields[algorithm]
+    algo_overrides = flat_fields(algo_overrides)
     for key in algo_overrides:
         if key not in known:
             raise ValueError(f"algorithm.{key} is not a field of {algorithm}'s config; known: {sorted(known)}")
@@ -223,13 +232,13 @@ def build_paper_plan(cfg: StudyConfig, reward_of: Optional[RewardOf] = None,
 def stress_settings(cfg: StudyConfig, defaults: Defaults, point: Dict[str, Any]) -> Dict[str, Setting]:
     """One stress point's settings: every ``stress.algorithms`` method at its defaults, and every
     QUATRO arm (``stress.arms``), at the point's K and lr multiplier. An arm field that QUATRO's
-    config does not have (e.g. ``lr_control`` before the loop has it) fails here, naming the arm."""
+    config does not have (misspelt, or an old flat key) fails here, naming the arm."""
     where = dict(inner_loops=point.get("inner_loops"), lr_multiplier=point.get("lr_multiplier", 1.0))
     out = {a: make_setting(defaults, a, **where) for a in cfg.stress.algorithms}
     for arm, fields in cfg.stress.arms.items():
         try:
             out[arm] = make_setting(defaults, QUATRO, **where, **fields)
-        except ValueError as exc:
+        except ValueError as exc:   # StudyConfigError included
             raise StudyConfigError(f"stress.arms.{arm}: {exc}") from exc
     return out
 

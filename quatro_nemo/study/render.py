@@ -183,7 +183,7 @@ def trust_region_lines(rows: Sequence[TrustRegionRow], figures: Dict[str, str]) 
              "is set by the learning rate. Per training step the loop measures the achieved trust-region KL of the "
              "update (mean over the prompts whose rewards are not all equal; `trust_region/achieved_kl`), its largest "
              "prompt's (`_max`) and achieved / delta. Per run: the median and the max over its training steps; each "
-             "cell mean ± std over seeds. With `lr_control=kl_adaptive` the learning rate is scaled so that the "
+             "cell mean ± std over seeds. With `lr_control.kind=kl_adaptive` the learning rate is scaled so that the "
              "achieved KL stays within [delta / 2, 2 delta] (algos/lr_control.py).", ""]
     lines += markdown_table(["part", "setting", "delta", "runs"] + columns, table)
     if "trust_region" in figures:

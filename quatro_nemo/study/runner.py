@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+from quatro_nemo.engine.config import renamed_override
 from quatro_nemo.megatron.parallel import standalone_environment
 from quatro_nemo.study.evaluation import STUDY_EVAL
 from quatro_nemo.study.config import StudyConfigError
@@ -101,13 +102,16 @@ def _logged_command(directory: str) -> Optional[List[str]]:
 
 def check_identity(directory: str, identity: List[str]) -> None:
     """Record a run's identity when it starts; a directory already started with another identity
-    is an error naming both (never silently reused, never silently redone)."""
+    is an error naming both (never silently reused, never silently redone). A run recorded with
+    QUATRO's flat keys (before its nested sections) is the same run with the new keys."""
     path = os.path.join(directory, IDENTITY_FILE)
     if os.path.isfile(path):
         with open(path) as f:
             recorded = json.load(f).get("command")
     else:
         recorded = _logged_command(directory)
+    if recorded is not None:
+        recorded = [renamed_override(arg) or arg for arg in recorded]
     if recorded is not None and recorded != identity:
         changed = sorted(set(recorded) ^ set(identity))
         raise RunIdentityError(f"run directory {directory} was started with other settings than this study's run "

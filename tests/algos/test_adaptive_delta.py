@@ -13,6 +13,7 @@ from scipy.optimize import brentq
 
 from quatro_nemo.algos import QuatroConfig, get_advantage_estimator, solve_dual
 from quatro_nemo.algos.adaptive_delta import DeltaController, per_query_delta
+from quatro_nemo.algos.config import DeltaControllerConfig, DeltaPerQueryConfig
 from quatro_nemo.algos.step_state import StepMeasurements, TrustRegionLog
 
 
@@ -104,10 +105,12 @@ def test_controller_state_round_trips_bit_identically():
 
 def test_controller_from_config_is_off_by_default():
     assert DeltaController.from_config(QuatroConfig()) is None
-    controller = DeltaController.from_config(QuatroConfig(delta=0.2, delta_controller="kl",
-                                                          delta_controller_target=0.02))
-    assert (controller.delta, controller.target) == (0.2, 0.02)
-    assert controller.apply(QuatroConfig(delta=0.2, delta_controller="kl")).delta == 0.2
+    controller = DeltaController.from_config(QuatroConfig(
+        delta=0.2, delta_controller=DeltaControllerConfig(kind="kl", target=0.02, gain=0.3, max_factor=1.5,
+                                                          min=0.05, max=0.5)))
+    assert (controller.delta, controller.target, controller.gain, controller.max_factor) == (0.2, 0.02, 0.3, 1.5)
+    assert (controller.delta_min, controller.delta_max) == (0.05, 0.5)
+    assert controller.apply(QuatroConfig(delta=0.2, delta_controller=DeltaControllerConfig(kind="kl"))).delta == 0.2
 
 
 def numpy_softmax_kl(log_weights):
@@ -202,7 +205,7 @@ def test_variance_rule_gives_mean_centred_advantages_in_the_small_kl_limit():
     rewards = torch.cat([binary_groups(), torch.tensor([[1.0, 0.4, 0.3, 0.0, 0.9, 0.5, 0.2, 0.1]])])
     centred = (rewards - rewards.mean(dim=1, keepdim=True)).numpy()
     delta = 1e-10
-    config = QuatroConfig(delta=delta, delta_per_query="reward_variance")
+    config = QuatroConfig(delta=delta, delta_per_query=DeltaPerQueryConfig(kind="reward_variance"))
     got = get_advantage_estimator("quatro")(rewards, config).advantages.numpy()
     np.testing.assert_allclose(got, math.sqrt(2 * delta / 0.25) * centred, rtol=1e-3, atol=0)
     fixed = get_advantage_estimator("quatro")(rewards, QuatroConfig(delta=delta)).advantages.numpy()
@@ -215,7 +218,7 @@ def test_estimator_reports_the_radii_only_when_adaptive():
     default = get_advantage_estimator("quatro")(rewards, QuatroConfig())
     assert not any(k.startswith("quatro/delta") for k in default.metrics)
     torch.testing.assert_close(default.advantages, solve_dual(rewards, 0.1).advantages, rtol=0, atol=0)
-    adaptive = get_advantage_estimator("quatro")(rewards, QuatroConfig(delta_per_query="reward_variance"))
+    adaptive = get_advantage_estimator("quatro")(rewards, QuatroConfig(delta_per_query=DeltaPerQueryConfig(kind="reward_variance")))
     expected = [0.1 * (c / 8) * (1 - c / 8) / 0.25 for c in range(1, 8)]
     assert adaptive.metrics["quatro/delta/mean"].item() == pytest.approx(np.mean(expected), rel=1e-12)
     assert adaptive.metrics["quatro/delta/min"].item() == pytest.approx(min(expected), rel=1e-12)
@@ -227,17 +230,27 @@ def test_estimator_reports_the_radii_only_when_adaptive():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value", [
-    ("delta_controller", "pid"), ("delta_controller_target", 0.0), ("delta_controller_gain", 2.0),
-    ("delta_controller_gain", -1.0), ("delta_controller_max_factor", 1.0), ("delta_controller_min", 0.0),
-    ("delta_controller_max", float("nan")), ("delta_per_query", "success"), ("delta_variance_ref", 0.0),
-    ("delta_cap_fraction", 1.0), ("delta_cap_fraction", True),
+@pytest.mark.parametrize("section, field, value", [
+    ("delta_controller", "kind", "pid"), ("delta_controller", "target", 0.0), ("delta_controller", "gain", 2.0),
+    ("delta_controller", "gain", -1.0), ("delta_controller", "max_factor", 1.0), ("delta_controller", "min", 0.0),
+    ("delta_controller", "max", float("nan")), ("delta_per_query", "kind", "success"),
+    ("delta_per_query", "variance_ref", 0.0), ("delta_per_query", "cap_fraction", 1.0),
+    ("delta_per_query", "cap_fraction", True),
 ])
-def test_bad_adaptive_value_names_the_field(field, value):
-    with pytest.raises(ValueError, match=f"QuatroConfig.{field}"):
-        QuatroConfig(**{field: value})
+def test_bad_adaptive_value_names_the_nested_field(section, field, value):
+    with pytest.raises(ValueError, match=rf"^QuatroConfig\.{section}\.{field} must"):
+        QuatroConfig.from_dict({section: {field: value}})
 
 
 def test_controller_bounds_must_be_ordered():
-    with pytest.raises(ValueError, match="delta_controller_min .* must be below .*delta_controller_max"):
-        QuatroConfig(delta_controller_min=0.5, delta_controller_max=0.5)
+    with pytest.raises(ValueError, match=r"delta_controller\.min .* must be below .*delta_controller\.max"):
+        QuatroConfig.from_dict({"delta_controller": {"min": 0.5, "max": 0.5}})
+
+
+def test_a_section_is_a_mapping_of_its_own_fields():
+    assert QuatroConfig.from_dict({"delta_per_query": {"kind": "reward_variance", "cap_fraction": 0.5}}).delta_per_query \
+        == DeltaPerQueryConfig(kind="reward_variance", cap_fraction=0.5)
+    with pytest.raises(ValueError, match=r"algorithm\.delta_per_query: unknown key\(s\) \['cap'\]"):
+        QuatroConfig.from_dict({"delta_per_query": {"cap": 0.5}})
+    with pytest.raises(ValueError, match=r"QuatroConfig\.delta_controller must be a DeltaControllerConfig"):
+        QuatroConfig(delta_controller="kl")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from quatro_nemo.algos import QuatroConfig, get_algorithm
+from quatro_nemo.algos.config import DeltaControllerConfig, LrControlConfig
 from quatro_nemo.algos.lr_control import KlAdaptiveLr
 from quatro_nemo.algos.step_state import StepMeasurements
 
@@ -75,7 +76,8 @@ def _run_hook(state, cfg, steps):
 
 
 def test_quatro_state_sets_the_step_config_and_logs_the_achieved_kl():
-    config = QuatroConfig(delta=0.02, lr_control="kl_adaptive", delta_controller="kl", delta_controller_target=0.01)
+    config = QuatroConfig(delta=0.02, lr_control=LrControlConfig(kind="kl_adaptive"),
+                          delta_controller=DeltaControllerConfig(kind="kl", target=0.01))
     state = get_algorithm("quatro").make_state(config)
     assert state.needs_policy_shift
     cfg = _RunConfig(config, _Trainer(lr=1e-3))
@@ -102,7 +104,8 @@ def test_quatro_state_sets_the_step_config_and_logs_the_achieved_kl():
 
 
 def test_quatro_state_resumes_exactly_through_a_pickled_state_dict():
-    config = QuatroConfig(delta=0.02, lr_control="kl_adaptive", delta_controller="kl", delta_controller_target=0.01)
+    config = QuatroConfig(delta=0.02, lr_control=LrControlConfig(kind="kl_adaptive"),
+                          delta_controller=DeltaControllerConfig(kind="kl", target=0.01))
     cfg = _RunConfig(config, _Trainer(lr=1e-3))
     straight = get_algorithm("quatro").make_state(config)
     expected = _run_hook(straight, cfg, range(5))
@@ -133,9 +136,15 @@ def test_fixed_lr_and_other_algorithms_leave_the_config_alone():
     assert grpo.metrics() == {}
 
 
-@pytest.mark.parametrize("field, value", [("lr_control", "line_search"), ("lr_control_factor", 1.0),
-                                          ("lr_control_min", 1.5), ("lr_control_max", 0.5)])
+@pytest.mark.parametrize("field, value", [("kind", "line_search"), ("factor", 1.0), ("min", 1.5), ("max", 0.5)])
 def test_bad_lr_control_values_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
-        QuatroConfig(**{field: value})
+    with pytest.raises(ValueError, match=rf"QuatroConfig\.lr_control\.{field}\b"):
+        QuatroConfig.from_dict({"lr_control": {field: value}})
 
+
+
+def test_the_lr_control_section_sets_the_controller():
+    assert KlAdaptiveLr.from_config(QuatroConfig()) is None
+    controller = KlAdaptiveLr.from_config(QuatroConfig(lr_control=LrControlConfig(kind="kl_adaptive", factor=2.0,
+                                                                                  min=0.5, max=4.0)))
+    assert (controller.multiplier, controller.factor, controller.low, controller.high) == (1.0, 2.0, 0.5, 4.0)

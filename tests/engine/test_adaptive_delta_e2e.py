@@ -11,8 +11,8 @@ pytestmark = pytest.mark.slow
 # A longer warm-start and 8 responses per prompt than TINY's, so that most steps have groups with
 # unequal rewards (with TINY's 40-step base model every graded reward is 0 and nothing is measured).
 ADAPTIVE = ["warmstart.steps=800", "rollout.n=8", "parallel.micro_batch_size=32",
-            "algorithm.delta_controller=kl", "algorithm.delta_controller_target=0.02",
-            "algorithm.delta_per_query=reward_variance", "task.reward=graded", "trainer.inner_loops=2",
+            "algorithm.delta_controller.kind=kl", "algorithm.delta_controller.target=0.02",
+            "algorithm.delta_per_query.kind=reward_variance", "task.reward=graded", "trainer.inner_loops=2",
             "trainer.mini_batch_prompts=4", "trainer.lr=3e-3", "eval.num_problems=0"]
 
 

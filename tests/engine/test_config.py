@@ -95,6 +95,40 @@ def test_saved_run_config_validates_to_the_same_config(tmp_path):
     assert validate(older).algorithm == cfg.algorithm and validate(older).task == cfg.task
 
 
+def test_quatro_sections_compose_from_nested_overrides():
+    """algorithm.<section>.<field> sets one field of QUATRO's nested sections, the others keep
+    their defaults (a whole section as a Hydra dict works too)."""
+    cfg = load_config(["algorithm.delta_controller.kind=kl", "algorithm.delta_controller.target=0.02",
+                       "algorithm.delta_per_query={kind: reward_variance, cap_fraction: 0.5}",
+                       "algorithm.lr_control.kind=kl_adaptive", "algorithm.lr_control.max=4"])
+    algo = cfg.algorithm
+    assert (algo.delta_controller.kind, algo.delta_controller.target, algo.delta_controller.gain) == ("kl", 0.02, 0.5)
+    assert (algo.delta_per_query.kind, algo.delta_per_query.cap_fraction, algo.delta_per_query.variance_ref) \
+        == ("reward_variance", 0.5, 0.25)
+    assert (algo.lr_control.kind, algo.lr_control.max, algo.lr_control.factor) == ("kl_adaptive", 4.0, 1.5)
+    assert algo.adaptive_delta and not load_config([]).algorithm.adaptive_delta
+
+
+def test_a_run_saved_with_quatros_flat_keys_validates_to_the_nested_config(tmp_path):
+    """A run's config.yaml written before QUATRO's sections existed (flat delta_controller_* /
+    delta_per_query / delta_variance_ref / delta_cap_fraction / lr_control_* keys) reads as the
+    same config written with the sections."""
+    cfg = load_config(["algorithm.delta_controller.kind=kl", "algorithm.delta_controller.target=0.02",
+                       "algorithm.delta_controller.max=0.5", "algorithm.delta_per_query.kind=reward_variance",
+                       "algorithm.delta_per_query.variance_ref=0.2", "algorithm.lr_control.kind=kl_adaptive",
+                       "algorithm.lr_control.min=0.1"])
+    saved = OmegaConf.to_container(cfg.raw)
+    old = {key: value for key, value in saved["algorithm"].items()
+           if key not in ("delta_controller", "delta_per_query", "lr_control")}
+    old.update(delta_controller="kl", delta_controller_target=0.02, delta_controller_gain=0.5,
+               delta_controller_max_factor=2.0, delta_controller_min=0.001, delta_controller_max=0.5,
+               delta_per_query="reward_variance", delta_variance_ref=0.2, delta_cap_fraction=0.9,
+               lr_control="kl_adaptive", lr_control_factor=1.5, lr_control_min=0.1, lr_control_max=10.0)
+    path = tmp_path / "config.yaml"
+    OmegaConf.save(OmegaConf.create(dict(saved, algorithm=old)), path)
+    assert validate(OmegaConf.load(path)) == cfg
+
+
 @pytest.mark.parametrize("argv, named", [
     (["trainer.inner_loopz=2"], "trainer.inner_loopz"),
     (["++trainer.inner_loopz=2"], "trainer.inner_loopz"),
@@ -103,7 +137,15 @@ def test_saved_run_config_validates_to_the_same_config(tmp_path):
     (["algorithm.delta=-1"], "algorithm.delta"),
     (["algorithm.log_ratio=sideways"], "algorithm.log_ratio"),
     (["algorithm.loss_agg_mode=mean"], "algorithm.loss_agg_mode"),        # choices: Hydra refuses them
-    (["algorithm.delta_controller=pid"], "algorithm.delta_controller"),
+    (["algorithm.delta_controller.kind=pid"], "algorithm.delta_controller.kind"),
+    (["algorithm.delta_controller.gain=2"], "algorithm.delta_controller.gain must be in (0, 2)"),
+    (["algorithm.lr_control.factor=1"], "algorithm.lr_control.factor must be > 1"),
+    (["algorithm.delta_per_query.cap_fraction=1"], "algorithm.delta_per_query.cap_fraction must be in (0, 1)"),
+    (["algorithm.lr_control.facter=2"], "algorithm.lr_control.facter"),
+    (["algorithm.delta_controller=kl"], "algorithm.delta_controller is now algorithm.delta_controller.kind"),
+    (["algorithm.delta_controller_target=0.02"],
+     "algorithm.delta_controller_target is now algorithm.delta_controller.target"),
+    (["++algorithm.delta_cap_fraction=0.5"], "algorithm.delta_cap_fraction is now algorithm.delta_per_query.cap_fraction"),
     (["trainer.device=gpu"], "trainer.device"),
     (["rollout.backend=sglang"], "rollout.backend"),
     (["algorithm=gspo", "algorithm.delta=0.1"], "algorithm.delta"),  # a QUATRO key on GSPO
@@ -143,6 +185,7 @@ def _train_recipe():
 
 @pytest.mark.parametrize("argv, code, named", [
     (["algorithm.delta=0"], 2, "algorithm.delta"),            # our validation: exit 2
+    (["algorithm.lr_control=kl_adaptive"], 2, "algorithm.lr_control is now algorithm.lr_control.kind"),
     (["trainer.inner_loopz=2"], 1, "trainer.inner_loopz"),    # Hydra's rejection of an override: exit 1
     (["++trainer.inner_loopz=2"], 2, "trainer.inner_loopz"),
     (["trainer.lr=abc"], 1, "trainer.lr"),

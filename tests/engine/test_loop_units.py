@@ -40,7 +40,7 @@ def test_train_state_reads_checkpoints_written_before_it_existed():
     buffer.seek(0)
     state = TrainState.from_common(torch.load(buffer, weights_only=False))
     assert (state.next_step, state.optimizer_steps) == (4, 16)
-    quatro = get_algorithm("quatro").make_state(QuatroConfig(delta_controller="kl"))
+    quatro = get_algorithm("quatro").make_state(QuatroConfig.from_dict({"delta_controller": {"kind": "kl"}}))
     quatro.load_state_dict(state.algorithm_state)
     assert quatro.delta_controller.state_dict() == controller
     # and the new form round-trips

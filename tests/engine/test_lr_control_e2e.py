@@ -1,7 +1,7 @@
 """QUATRO's KL-adaptive learning rate in the real loop (issue 29; docs/quatro-math.md Sec. 7.4).
 
 At a deliberately large lr (10x the CPU default's, radius 0.02) the fixed-lr update overshoots
-the radius 6-45-fold; with ``algorithm.lr_control=kl_adaptive`` the multiplier follows its rule
+the radius 6-45-fold; with ``algorithm.lr_control.kind=kl_adaptive`` the multiplier follows its rule
 step by step (written out below as the equation, not taken from the code), survives a resume
 through the real checkpoint, and brings the achieved KL near delta."""
 import math
@@ -51,7 +51,7 @@ def test_kl_adaptive_lr_tracks_the_radius_and_resumes_exactly(tmp_path, tiny_arg
     fixed = _train(str(tmp_path / "fixed"), tiny_args, "trainer.steps=8")
     adaptive_dir = str(tmp_path / "adaptive")
     for steps in (4, 8):   # the second command resumes from the step-4 checkpoint
-        adaptive = _train(adaptive_dir, tiny_args, "algorithm.lr_control=kl_adaptive", f"trainer.steps={steps}")
+        adaptive = _train(adaptive_dir, tiny_args, "algorithm.lr_control.kind=kl_adaptive", f"trainer.steps={steps}")
     assert [r["step"] for r in adaptive] == list(range(1, 9))
 
     # Step 1 runs at the configured lr: the same step as the fixed run's.

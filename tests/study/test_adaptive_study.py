@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from quatro_nemo.engine.config import load_config
+from quatro_nemo.algos.config import DeltaControllerConfig, DeltaPerQueryConfig
 from quatro_nemo.study.config import DEFAULT_CONDITION
 from quatro_nemo.study.analysis import EVAL_KIND, archive_path, write_archive
 from quatro_nemo.study.config import StudyConfigError, load_study_config, study_config_from_dict
@@ -19,8 +20,8 @@ from quatro_nemo.study.stats import INCONCLUSIVE, NOT_REPRODUCED, NOT_TESTED, RE
 
 def small(**adaptive):
     values = dict(tasks=["binary", "graded"], fixed_deltas=[0.05, 0.1, 0.2],
-                  strategies={"controller": {"delta_controller": "kl"},
-                              "variance": {"delta_per_query": "reward_variance"}},
+                  strategies={"controller": {"delta_controller": {"kind": "kl"}},
+                              "variance": {"delta_per_query": {"kind": "reward_variance"}}},
                   stress={"lr4": {"lr_multiplier": 4}}, seeds=[1, 2, 3])
     values.update(adaptive)
     return study_config_from_dict({"kind": "adaptive", "adaptive": values, "train_overrides": ["trainer.steps=4"],
@@ -34,8 +35,8 @@ def test_the_committed_config_plans_every_arm_once_and_each_composes():
     default = load_config(train_args(cfg))
     conditions = {DEFAULT_CONDITION: (default.trainer.inner_loops, 1.0), "lr4": (1, 4.0), "K4": (4, 1.0)}
     arms = {f"delta={d:g}": {"delta": d} for d in (0.02, 0.05, 0.1, 0.2)}
-    arms["controller"] = {"delta_controller": "kl", "delta_controller_target": 0.015}
-    arms["variance"] = {"delta_per_query": "reward_variance"}
+    arms["controller"] = {"delta_controller": DeltaControllerConfig(kind="kl", target=0.015)}
+    arms["variance"] = {"delta_per_query": DeltaPerQueryConfig(kind="reward_variance")}
     expected = {(task, k, m, arm, seed) for task in ("binary", "graded") for k, m in conditions.values()
                 for arm in arms for seed in (1, 2, 3)}
     assert len(plan.runs) == len(expected) == 108
@@ -65,7 +66,7 @@ def test_the_committed_config_plans_every_arm_once_and_each_composes():
 
 
 def test_the_successor_asks_again_on_the_kl_adaptive_lr_with_seeds_for_power():
-    """conf/study/adaptive_lr.yaml: the same arms, each with lr_control=kl_adaptive, and seeds from
+    """conf/study/adaptive_lr.yaml: the same arms, each with lr_control.kind=kl_adaptive, and seeds from
     stats.seeds_for_power for the largest Holm family (stable_: task x stress x fixed delta)."""
     cfg = load_study_config("adaptive_lr")
     ad = cfg.adaptive
@@ -78,21 +79,25 @@ def test_the_successor_asks_again_on_the_kl_adaptive_lr_with_seeds_for_power():
     assert len(plan.runs) == len(ad.tasks) * (1 + len(ad.stress)) * (len(ad.fixed_deltas) + len(ad.strategies)) * 8
     for spec in list(plan.runs.values())[::23]:       # a spread of the 288 runs, each composed
         algo = load_config(train_args(cfg) + list(spec.overrides)).algorithm
-        assert algo.lr_control == "kl_adaptive", spec.name
+        assert algo.lr_control.kind == "kl_adaptive", spec.name
 
 
 @pytest.mark.parametrize("adaptive, key", [
     ({"tasks": ["binary", "exact"]}, "adaptive.tasks"),
     ({"fixed_deltas": [0.1]}, "adaptive.fixed_deltas"),
-    ({"strategies": {"bad": {"delta_controler": "kl"}}}, "adaptive.strategies.bad"),
+    ({"strategies": {"bad": {"delta_controler": {"kind": "kl"}}}}, "adaptive.strategies.bad"),
+    ({"strategies": {"bad": {"delta_controller": {"kind": "pid"}}}}, "adaptive.strategies.bad: QuatroConfig.delta_controller.kind"),
+    ({"strategies": {"old": {"delta_controller": "kl"}}},
+     "algorithm.delta_controller is now algorithm.delta_controller.kind"),
     ({"strategies": {"fixed": {"delta": 0.3}}}, "adaptive.strategies.fixed"),
     ({"stress": {"hot": {"lr": 4}}}, "adaptive.stress.hot"),
     ({"stress": {"many": {"inner_loops": 0}}}, "adaptive.stress.many.inner_loops"),
     ({"seeds": []}, "adaptive.seeds"),
     ({"nonsense": 1}, "adaptive.nonsense"),
     ({"common": {"delta": 0.3}}, "adaptive.common"),                    # the arms differ by their radius
-    ({"common": {"lr_controll": "kl_adaptive"}}, "adaptive.common"),
-    ({"common": {"lr_control": "sometimes"}}, "adaptive.common"),
+    ({"common": {"lr_controll": {"kind": "kl_adaptive"}}}, "adaptive.common"),
+    ({"common": {"lr_control": {"kind": "sometimes"}}}, "adaptive.common: QuatroConfig.lr_control.kind"),
+    ({"common": {"lr_control_factor": 2}}, "adaptive.common.lr_control_factor is now adaptive.common.lr_control.factor"),
 ])
 def test_bad_adaptive_section_names_the_key(adaptive, key):
     with pytest.raises(StudyConfigError, match=key.replace(".", r"\.")):
@@ -182,7 +187,7 @@ def test_a_stopped_adaptive_study_is_not_run_where_seeds_are_missing(tmp_path):
 
 
 def test_no_broken_fixed_delta_leaves_stability_untested(tmp_path):
-    cfg = small(stress={"lr4": {"lr_multiplier": 4}}, strategies={"controller": {"delta_controller": "kl"}})
+    cfg = small(stress={"lr4": {"lr_multiplier": 4}}, strategies={"controller": {"delta_controller": {"kind": "kl"}}})
     plan = build_plan(cfg)
     plant(str(tmp_path), plan, {key: dict(values, reward=0.5) if key[0] == "lr4" else values
                                 for key, values in PLANTED.items()})

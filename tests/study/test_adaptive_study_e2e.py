@@ -17,7 +17,7 @@ def test_tiny_adaptive_study_end_to_end(tmp_path, warm_cache):
         "name": "tiny_adaptive", "kind": "adaptive", "description": "tiny end-to-end adaptive study",
         "train_overrides": TINY + [f"warmstart.cache_dir={warm_cache}", "trainer.steps=2", "trainer.checkpoint_every=0"],
         "adaptive": {"tasks": ["graded"], "fixed_deltas": [0.05, 0.2],
-                     "strategies": {"controller": {"delta_controller": "kl"}},
+                     "strategies": {"controller": {"delta_controller": {"kind": "kl"}}},
                      "stress": {"K2": {"inner_loops": 2}}, "seeds": [1]},
         "evaluation": {"num_problems": 4, "n_samples": 8, "top_p": [0.7], "sweep_n_samples": 4},
         "workers": 2, "time_budget_minutes": 5,

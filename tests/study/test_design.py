@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 
-from quatro_nemo.algos.config import QuatroConfig
 from quatro_nemo.study.analysis import (RunData, Study, advantage_table, checkpoint_curve, claim_at_stress_point, claim_matched,
                                         evaluate_claims, matched_difference)
 from quatro_nemo.study.config import StudyConfigError, load_study_config, study_config_from_dict
@@ -28,7 +27,7 @@ def test_design_config_states_every_claim_before_any_run():
     assert cfg.evaluation.num_problems == 128
     assert set(cfg.stress.algorithms) == {"quatro", *BASELINES} and len(cfg.stress.seeds) >= 8
     assert {tuple(p.items()) for p in cfg.stress.points.values()} == {(("inner_loops", 8),), (("lr_multiplier", 4),)}
-    assert cfg.stress.arms == {"quatro_kl_lr": {"lr_control": "kl_adaptive"}}
+    assert cfg.stress.arms == {"quatro_kl_lr": {"lr_control": {"kind": "kl_adaptive"}}}
     assert cfg.equivalence_margins["passk_at_kmax"] == 0.03
     # the seeds give power >= 0.8 against a 2-sd effect in every family (Holm's first step)
     assert paired_power(2.0, len(cfg.seeds), 4) >= 0.8                       # secondary family
@@ -37,16 +36,22 @@ def test_design_config_states_every_claim_before_any_run():
     assert paired_power(2.0, len(cfg.deltas.seeds), len(cfg.deltas.values) - 1) >= 0.8
 
 
-def test_the_kl_adaptive_arm_needs_the_loop_option():
+def test_a_stress_arm_is_checked_against_quatros_config_naming_the_arm():
     cfg = load_study_config("design")
-    if "lr_control" not in {f.name for f in dataclasses.fields(QuatroConfig)}:
-        with pytest.raises(StudyConfigError, match=r"stress\.arms\.quatro_kl_lr: algorithm\.lr_control"):
+    for fields, named in (({"lr_control": "kl_adaptive"}, "algorithm.lr_control is now algorithm.lr_control.kind"),
+                          ({"lr_control": {"kin": "kl_adaptive"}}, "algorithm.lr_control.kin is not a field")):
+        cfg.stress.arms = {"quatro_kl_lr": fields}
+        with pytest.raises(StudyConfigError, match=rf"^stress\.arms\.quatro_kl_lr: {named}"):
             build_plan(cfg)
-        cfg.stress.arms = {}
-        arm_runs = 0
-    else:                                                     # once the loop has algorithm.lr_control
-        arm_runs = 2 * len(cfg.stress.seeds)
+
+
+def test_the_kl_adaptive_arm_is_planned_at_each_stress_point():
+    cfg = load_study_config("design")
+    arm_runs = 2 * len(cfg.stress.seeds)
     plan = build_plan(cfg)
+    arm = plan.stress["lr4"]["quatro_kl_lr"]
+    assert arm.algo_overrides == (("lr_control.kind", "kl_adaptive"),)
+    assert plan.runs_of(arm, cfg.stress.seeds)[0].name == "quatro-K1-lr4x-lr_control_kl_adaptive-s1"
     main = 7 * len(cfg.seeds)
     stress = 2 * 7 * len(cfg.stress.seeds) + arm_runs
     ablation = 2 * len(cfg.ablation.seeds)
@@ -218,3 +223,18 @@ def test_a_run_directory_is_never_reused_with_other_settings(tmp_path):
         check_identity(str(legacy), identity[:-1] + ["128"])
     check_identity(str(legacy), identity)
     assert (legacy / "study_run.json").is_file()
+
+
+def test_a_run_recorded_with_quatros_flat_keys_is_the_same_run_with_the_nested_ones(tmp_path):
+    """A run directory started before QUATRO's nested sections (``algorithm.lr_control=kl_adaptive``
+    in its recorded command) resumes under the same command with the new key, and still refuses
+    another value."""
+    directory = tmp_path / "runs" / "quatro-K1-lr4x-lr_control_kl_adaptive-s1"
+    directory.mkdir(parents=True)
+    old = ["-m", "quatro_nemo.study.job", "algorithm=quatro", "algorithm.lr_control=kl_adaptive",
+           "algorithm.delta_controller_target=0.02"]
+    (directory / "study_run.json").write_text(json.dumps({"command": old}))
+    new = old[:3] + ["algorithm.lr_control.kind=kl_adaptive", "algorithm.delta_controller.target=0.02"]
+    check_identity(str(directory), new)
+    with pytest.raises(RunIdentityError, match="algorithm.delta_controller.target=0.03"):
+        check_identity(str(directory), new[:-1] + ["algorithm.delta_controller.target=0.03"])

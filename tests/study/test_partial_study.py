@@ -126,7 +126,7 @@ def trust_region_train(spec):
         return rows
     overrides = dict(spec.setting.algo_overrides)
     delta = overrides.get("delta", 0.1)
-    adaptive = overrides.get("lr_control") == "kl_adaptive"
+    adaptive = overrides.get("lr_control.kind") == "kl_adaptive"
     for t, row in enumerate(rows):
         kl = ACHIEVED[spec.seed][t]
         if kl is not None:                  # a step whose groups were all constant logs none
@@ -139,7 +139,7 @@ def trust_region_train(spec):
 
 def test_trust_region_table_against_hand_computed_values(tmp_path):
     cfg, plan = design(stress=dict(points={"K4": {"inner_loops": 4}}, algorithms=["quatro", "grpo"], seeds=[1, 2],
-                                   arms={"kl_lr": {"lr_control": "kl_adaptive"}}))
+                                   arms={"kl_lr": {"lr_control": {"kind": "kl_adaptive"}}}))
     fill(str(tmp_path), plan, quatro_wins_final, trust_region_train)
     rows = {(r.part, r.label): r for r in trust_region_rows(load(str(tmp_path), cfg, plan))}
     assert list(rows) == [("deltas", "delta=0.02"), ("deltas", "delta=0.1"), ("K4", "quatro"), ("K4", "kl_lr")]
