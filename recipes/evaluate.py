@@ -39,8 +39,10 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from quatro_nemo.data.schema import read_problems  # noqa: E402
 from quatro_nemo.engine.config import (CONF_DIR, HYDRA_VERSION_BASE, ConfigError, config_errors_exit,  # noqa: E402
                                        omegaconf_error_message, run_hydra_app)
-from quatro_nemo.eval.report import DEFAULT_PAIRWISE_METRICS, MetricsConfig, evaluate_runs, write_report  # noqa: E402
+from quatro_nemo.eval.report import (DEFAULT_PAIRWISE_METRICS, MetricsConfig, UccMetric, evaluate_runs,  # noqa: E402
+                                     write_report)
 from quatro_nemo.eval.samples import load_samples, write_samples  # noqa: E402
+from quatro_nemo.rewards import VerifierName  # noqa: E402
 
 PRIMARY = "evaluate"   # conf/evaluate.yaml
 
@@ -68,13 +70,13 @@ class EvaluateRecipeConfig:
     top_p: float = 1.0
     max_new_tokens: int = 1024
     # metrics
-    verifier: str = "math"                   # grader name for quatro_nemo.rewards.get_verifier
+    verifier: VerifierName = VerifierName.math  # grader name for quatro_nemo.rewards.get_verifier
     grading_workers: int = 2
     grading_timeout: float = 5.0             # seconds per answer check
     regrade: bool = False                    # ignore precomputed rewards in the samples
     ks: Optional[List[int]] = None           # Pass@k grid (default 1, 2, 4, .., n)
     ucc_ks: Optional[List[int]] = None       # UCC@k grid (default: ks)
-    ucc_metric: str = "rouge_l"              # near-duplicate criterion; 'precomputed': records' cluster_sizes
+    ucc_metric: UccMetric = UccMetric("rouge_l")  # near-duplicate criterion; 'precomputed': records' cluster_sizes
     ucc_threshold: Optional[float] = None
     pairwise_metrics: List[str] = field(default_factory=lambda: list(DEFAULT_PAIRWISE_METRICS))
     max_pairwise_responses: int = 32

@@ -134,11 +134,12 @@ MISSING_FILE = os.path.join(FIXTURES, "no_such_samples.jsonl")
     (["num_samplez=3", f"+runs.a={BASE}", "out=o"], 1, "num_samplez"),
     (["num_samples=many", f"+runs.a={BASE}", "out=o"], 1, "num_samples"),
     (["plots=maybe", f"+runs.a={BASE}", "out=o"], 1, "plots"),
+    ([f"+runs.a={BASE}", "ucc_metric=bogus", "out=o"], 1, "full_key: ucc_metric"),   # a choice: the key
+    ([f"+runs.a={BASE}", "verifier=nope", "out=o"], 1, "full_key: verifier"),         # and its choices
     # our validation rejects the value (exit 2), naming the key
     ([f"+runs.a={BASE}"], 2, "config key out"),
     ([f"+runs.a={MISSING_FILE}", "out=o"], 2, "config key runs.a"),
     (["out=o"], 2, "config key runs"),
-    ([f"+runs.a={BASE}", "ucc_metric=bogus", "out=o"], 2, "config key ucc_metric"),
     ([f"+runs.a={BASE}", "ucc_threshold=1.5", "out=o"], 2, "config key ucc_threshold"),
     ([f"+runs.a={BASE}", "pairwise_metrics=[jaccard,nope]", "out=o"], 2, "config key pairwise_metrics"),
     ([f"+runs.a={BASE}", "ks=[0,2]", "out=o"], 2, "config key ks"),

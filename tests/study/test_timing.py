@@ -30,12 +30,12 @@ def made_up_timed_study(study_dir):
 
 
 # The quick study (conf/study/quick.yaml) costed from made_up_timed_study: 28 runs of 8 steps, 1 s
-# each + 4.5 s overhead; evaluations of 32 x 32 x 2 (main and delta runs: 18) or 32 x 16 samples
+# each + 4.5 s overhead; evaluations of 16 x 32 x 2 (main and delta runs: 18) or 16 x 16 samples
 # at 2 + 0.05 s per sample, on 2 workers; then the base model's alone. Every run also evaluates its
-# held-out checkpoints (checkpoints: every 4 steps of 8, and step 0: 3 evaluations of 32 x 2).
-QUICK_MINUTES_FROM_MADE_UP_TIMINGS = ((28 * (4.5 + 8 * 1.0 + 2.0 + 3 * (2.0 + 0.05 * 64)) + 18 * 0.05 * 2048
-                                       + 10 * 0.05 * 512) / 2
-                                      + 2.0 + 0.05 * 2048) / 60
+# held-out checkpoints (checkpoints: every 4 steps of 8, and step 0: 3 evaluations of 16 x 2).
+QUICK_MINUTES_FROM_MADE_UP_TIMINGS = ((28 * (4.5 + 8 * 1.0 + 2.0 + 3 * (2.0 + 0.05 * 32)) + 18 * 0.05 * 1024
+                                       + 10 * 0.05 * 256) / 2
+                                      + 2.0 + 0.05 * 1024) / 60
 
 
 def test_costs_are_fitted_on_cpu_time(tmp_path):
