@@ -368,26 +368,32 @@ def split_primary(argv: Sequence[str], default: Optional[str] = DEFAULT_PRIMARY)
     return (names[-1] if names else default), [arg for arg in argv if not arg.startswith(PRIMARY_KEY + "=")]
 
 
+def _renamed_key(override: str) -> Optional[str]:
+    """The flat QUATRO key of :data:`~quatro_nemo.algos.config.RENAMED_KEYS` that a command-line
+    override sets (``algorithm.delta_controller_target=0.02`` -> ``delta_controller_target``);
+    None for any other override, and for a whole section given as ``{...}``."""
+    key, is_assignment, value = override.lstrip("+~").partition("=")
+    old = key.removeprefix("algorithm.") if key.startswith("algorithm.") else None
+    if old not in RENAMED_KEYS or (is_assignment and value.lstrip().startswith("{")):
+        return None
+    return old
+
+
 def renamed_override(override: str) -> Optional[str]:
     """A command-line override of a flat QUATRO key that became a nested one, written with the new
-    key (``algorithm.delta_controller_target=0.02`` -> ``algorithm.delta_controller.target=0.02``;
-    :data:`~quatro_nemo.algos.config.RENAMED_KEYS`); None for any other override."""
-    body = override.lstrip("+~")
-    key, is_assignment, value = body.partition("=")
-    old = key[len("algorithm."):] if key.startswith("algorithm.") else None
-    if old not in RENAMED_KEYS or (is_assignment and value.lstrip().startswith("{")):  # {...}: a whole section
-        return None
-    return f"{override[:len(override) - len(body)]}algorithm.{RENAMED_KEYS[old]}{body[len(key):]}"
+    key (``algorithm.delta_controller_target=0.02`` -> ``algorithm.delta_controller.target=0.02``);
+    None for any other override."""
+    old = _renamed_key(override)
+    return None if old is None else override.replace(f"algorithm.{old}", f"algorithm.{RENAMED_KEYS[old]}", 1)
 
 
 def check_renamed_overrides(overrides: Sequence[str]) -> None:
     """Refuse an override of a renamed key (:func:`renamed_override`) naming the new key, before
     Hydra composes (whose own message says only that the key is unknown or ill-typed)."""
     for override in overrides:
-        new = renamed_override(override)
-        if new is not None:
-            old = override.lstrip("+~").partition("=")[0][len("algorithm."):]
-            raise ConfigError(f"{override}: {renamed_key_error(old)} (write {new})")
+        old = _renamed_key(override)
+        if old is not None:
+            raise ConfigError(f"{override}: {renamed_key_error(old)} (write {renamed_override(override)})")
 
 
 CONFIG_ERROR_EXIT_CODE = 2   # a recipe's exit code for a value that failed validation
