@@ -4,6 +4,7 @@
     python recipes/plan_memory.py config=quatro_1p5b
     python recipes/plan_memory.py config=quatro_7b cluster.nodes=2 parallel.micro_batch_size=2
     python recipes/plan_memory.py config=quatro_7b --json        # machine-readable
+    python recipes/plan_memory.py config=quatro_7b --json-file=plan.json   # the table, and the JSON to a file
     python recipes/plan_memory.py config=quatro_7b --measured-peak-gb=41.3   # next to a measurement
 
 Takes the same arguments as recipes/train.py (Hydra overrides and config=NAME, composed with
@@ -88,12 +89,14 @@ def format_plan(plan: MemoryPlan) -> str:
 
 
 MEASURED_FLAG = "--measured-peak-gb="
+JSON_FILE_FLAG = "--json-file="
 
 
 def main(argv) -> int:
     as_json = "--json" in argv
     measured = [arg for arg in argv if arg.startswith(MEASURED_FLAG)]
-    argv = [arg for arg in argv if arg != "--json" and arg not in measured]
+    json_files = [arg[len(JSON_FILE_FLAG):] for arg in argv if arg.startswith(JSON_FILE_FLAG)]
+    argv = [arg for arg in argv if arg != "--json" and arg not in measured and not arg.startswith(JSON_FILE_FLAG)]
     try:
         measured_gb = float(measured[-1][len(MEASURED_FLAG):]) if measured else None
     except ValueError:
@@ -104,10 +107,13 @@ def main(argv) -> int:
     except ConfigError as exc:
         print(f"plan error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT_CODE
+    figures = dataclasses.asdict(plan)
+    if measured_gb is not None:
+        figures.update(measured_peak_gb=measured_gb, measured_over_planned=measured_gb / plan.peak_allocated_gb)
+    for path in json_files:
+        with open(path, "w") as out:
+            out.write(json.dumps(figures, indent=2) + "\n")
     if as_json:
-        figures = dataclasses.asdict(plan)
-        if measured_gb is not None:
-            figures.update(measured_peak_gb=measured_gb, measured_over_planned=measured_gb / plan.peak_allocated_gb)
         print(json.dumps(figures, indent=2))
     else:
         print(format_plan(plan))

@@ -63,8 +63,7 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
 fi
 
 say "memory plan (recipes/plan_memory.py config=gpu_check rollout.backend=vllm ${overrides[*]})"
-"$PYTHON" recipes/plan_memory.py config=gpu_check rollout.backend=vllm "${overrides[@]}"
-"$PYTHON" recipes/plan_memory.py config=gpu_check rollout.backend=vllm "${overrides[@]}" --json > "$check_dir/plan.json"
+"$PYTHON" recipes/plan_memory.py config=gpu_check rollout.backend=vllm "${overrides[@]}" --json-file="$check_dir/plan.json"
 
 sampler=""
 start_memory_sampler() {  # start_memory_sampler FILE: nvidia-smi's used memory (MiB) every 0.5 s

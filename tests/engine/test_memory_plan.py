@@ -264,7 +264,7 @@ def test_baselines_reuse_the_scale_config(baseline):
     assert config.algorithm_name == baseline and config.rollout.max_new_tokens == 3072
 
 
-def test_plan_memory_recipe_exit_codes(capsys):
+def test_plan_memory_recipe_exit_codes(capsys, tmp_path):
     import json
 
     import plan_memory
@@ -280,6 +280,11 @@ def test_plan_memory_recipe_exit_codes(capsys):
     half = plan.peak_allocated_gb / 2
     assert plan_memory.main(["config=quatro_7b", "--json", f"--measured-peak-gb={half}"]) == 0
     assert json.loads(capsys.readouterr().out)["measured_over_planned"] == pytest.approx(0.5)
+    # --json-file: the table on stdout and the same JSON in the file (gpu_check.sh's one call)
+    json_file = tmp_path / "plan.json"
+    assert plan_memory.main(["config=quatro_7b", f"--json-file={json_file}"]) == 0
+    assert "training phase" in capsys.readouterr().out
+    assert json.loads(json_file.read_text()) == figures
     assert plan_memory.main(["config=quatro_7b", f"--measured-peak-gb={half}"]) == 0
     assert "measured / planned = 0.50" in capsys.readouterr().out
     assert plan_memory.main(["config=quatro_7b", "--measured-peak-gb=lots"]) == 2

@@ -233,13 +233,17 @@ def _first_step(run_dir):
 
 
 @pytest.mark.distributed
-def test_torchrun_tp2_and_pp2_and_dp2_layouts_each_give_the_first_step_of_one_process(tmp_path, tiny_args):
-    """Three two-rank layouts in turn (TP2, PP2, DP2), not their eight-rank product."""
-    common = ["trainer.steps=1", "eval.num_problems=0"]
-    single = str(tmp_path / "single")
-    code, output = finish(run_train(tiny_args(single, *common)))
-    assert code == 0, output
-    reference = _first_step(single)
+def test_torchrun_tp2_and_pp2_and_dp2_layouts_each_give_the_first_step_of_one_process(tmp_path, reference_run):
+    """Three two-rank layouts in turn (TP2, PP2, DP2), not their eight-rank product, each against the
+    first step of the module's one-process reference run (K = 2 inner loops, two mini-batches)."""
+    reference_args, reference_dir = reference_run
+    reference = _first_step(reference_dir)
+
+    def tiny_args(run_dir, *extra):
+        return [a for a in reference_args if not a.startswith(("run.dir=", "trainer.steps="))] + \
+            [f"run.dir={run_dir}", *extra]
+
+    common = ["trainer.steps=1"]   # with the reference's held-out evaluation at step 0, as it ran
     # dp2 builds its own warm-start cache under torchrun (the warm-start subprocess must not join
     # torchrun's agent store); the cached base must equal the single process's.
     fresh_cache = f"warmstart.cache_dir={tmp_path / 'fresh-cache'}"
