@@ -108,9 +108,9 @@ def initialize_parallel(
     Returns the rank's :class:`ParallelLayout`. Raises ``ValueError`` on sizes that do not
     divide the world, naming them.
     """
+    apply_cpu_compat()   # first: without CUDA it is what imports megatron-core (workaround 7)
     from megatron.core import parallel_state, tensor_parallel as mcore_tp
 
-    apply_cpu_compat()
     if backend is None:
         backend = "gloo" if cpu_compat_needed() else "nccl"
 

@@ -1,4 +1,9 @@
 """ModelConfig validation (errors name the field) and the CPU compatibility layer's contract."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,3 +56,32 @@ def test_cpu_compat_is_idempotent_and_maps_cuda_to_cpu():
     from tests.distributed import run_ranks
 
     run_ranks(1, _check_cpu_compat)
+
+
+EAGER_FUSIONS_PROBE = """
+import json, sys, torch
+from quatro_nemo.megatron import compat
+compat.apply_cpu_compat()
+from megatron.core.fusions.fused_bias_gelu import bias_gelu
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core import dist_checkpointing
+bias, y = torch.linspace(-3, 3, 7, dtype=torch.float64), torch.linspace(-1, 2, 7, dtype=torch.float64)
+print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "bias_gelu": bias_gelu(bias, y).tolist()}))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU workarounds apply only without CUDA")
+def test_cpu_compat_imports_megatron_without_torchdynamo_and_fusions_run_eagerly():
+    # Workaround 7, in a fresh interpreter (this one may have imported megatron-core already):
+    # what a training process imports brings in no TorchDynamo, and a fusion gives torch's own
+    # tanh-GeLU of bias + y (float64; megatron rounds sqrt(2/pi) to 0.79788456: 1e-8 relative).
+    probe = subprocess.run([sys.executable, "-c", EAGER_FUSIONS_PROBE], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    result = json.loads(probe.stdout.splitlines()[-1])
+    assert result["dynamo"] is False
+    x = torch.linspace(-3, 3, 7, dtype=torch.float64) + torch.linspace(-1, 2, 7, dtype=torch.float64)
+    expected = torch.nn.functional.gelu(x, approximate="tanh")
+    torch.testing.assert_close(torch.tensor(result["bias_gelu"], dtype=torch.float64), expected, rtol=1e-7, atol=1e-9)
