@@ -43,7 +43,9 @@ def _section_values(cls: type, values: Any, key: str) -> Dict[str, Any]:
         raise ConfigError(f"{key} must be a mapping of {cls.__name__} fields, got {values!r}")
     known = {f.name: f for f in dataclasses.fields(cls)}
     given = dict(values.items())
-    renamed = [k for k in given if k in RENAMED_KEYS and (k not in known or not isinstance(given[k], Mapping))]
+    # An old flat key is "renamed" only where its new section exists (QUATRO's); elsewhere it is unknown.
+    renamed = [k for k in given if k in RENAMED_KEYS and RENAMED_KEYS[k].split(".")[0] in known
+               and (k not in known or not isinstance(given[k], Mapping))]
     if renamed:
         raise renamed_key_error(renamed[0], key)
     unknown = sorted(k for k in given if k not in known)

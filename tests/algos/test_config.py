@@ -47,6 +47,14 @@ def test_from_dict_rejects_unknown_keys_by_name():
         QuatroConfig.from_dict({"delt": 0.1})
     config = QuatroConfig.from_dict({"delta": 0.05, "log_ratio": "seq_mean"})
     assert config.delta == 0.05 and config.log_ratio == "seq_mean"
+    # QUATRO's sections (and their old flat keys) on another algorithm are unknown there, not
+    # "renamed": that algorithm has no algorithm.delta_controller.kind to point at.
+    for section in ({"delta_controller": {"kind": "kl"}}, {"delta_controller": "kl"}, {"lr_control_factor": 2.0}):
+        with pytest.raises(ValueError, match=r"algorithm: unknown key\(s\) \['(delta_controller|lr_control_factor)'\] "
+                                             r"for GRPOConfig"):
+            GRPOConfig.from_dict(section)
+    with pytest.raises(ValueError, match=r"algorithm.delta_controller is now algorithm.delta_controller.kind"):
+        QuatroConfig.from_dict({"delta_controller": "kl"})
 
 
 def test_build_algorithm_from_section():
