@@ -36,11 +36,12 @@ And one that saves time rather than being needed:
    ...) in ``torch.compile`` as it imports them (``megatron.core.jit.jit_fuser``, ~38 functions);
    the first such call imports TorchDynamo and Inductor, 2.7-3 s of every CPU process's start-up
    (4.9 s -> 1.9 s for importing megatron-core, measured on the 2-core CI machine), for kernels a
-   CPU run either never calls (the CPU configs turn the bias fusions off) or would run through
-   Inductor's C++ compiler. :func:`apply_cpu_compat` imports megatron-core with ``torch.compile``
-   as the identity for that import, then switches megatron's own ``jit_fuser`` off
-   (``disable_jit_fuser``) for the modules it imports later, so the functions run eagerly with the
-   same results. It takes effect only if megatron-core was not imported before.
+   run never calls (``megatron/models.py`` builds every model with megatron's fusions off) and
+   that on a CPU would go through Inductor's C++ compiler. :func:`apply_cpu_compat` imports
+   megatron-core with ``torch.compile`` as the identity for that import. ``megatron.core.jit``
+   binds ``jit_fuser = torch.compile`` as it is imported, so the identity stays its fuser for the
+   modules imported later too: the functions run eagerly, with the same results. It takes effect
+   only if megatron-core was not imported before.
 
 Nothing is patched when CUDA is available, and applying twice changes nothing. No other module
 of ``quatro_nemo`` may special-case the CPU: call :func:`apply_cpu_compat` (``initialize_parallel``
@@ -126,11 +127,9 @@ def _import_megatron_core_with_eager_fusions() -> None:
     compile_ = torch.compile
     torch.compile = _eager_compile
     try:
-        import megatron.core
-        from megatron.core import jit
+        import megatron.core  # noqa: F401  (megatron.core.jit keeps the identity as its jit_fuser)
     finally:
         torch.compile = compile_
-    jit.disable_jit_fuser()
 
 
 def apply_cpu_compat() -> bool:

@@ -89,8 +89,13 @@ def jobs(local_slurm, recipe, tmp_path_factory):
     submitted["sweep"] = (sweep_job, sweep_dirs[0])
     submitted["sweep_lines"] = lines
     yield submitted
-    # The template's own log file of the job submitted with default_log (slurm/logs/, in the tree).
-    (ROOT / "slurm" / "logs" / f"test-uninterrupted-{submitted['uninterrupted'][0]}.out").unlink(missing_ok=True)
+    # The job submitted with default_log wrote into the tree (slurm/logs/).
+    template_log("uninterrupted", submitted["uninterrupted"][0]).unlink(missing_ok=True)
+
+
+def template_log(name: str, job_id: str) -> Path:
+    """The template's own log file (#SBATCH --output=slurm/logs/%x-%j.out) of job `test-<name>`."""
+    return ROOT / "slurm" / "logs" / f"test-{name}-{job_id}.out"
 
 
 def job_log(local_slurm, job_id) -> str:
@@ -149,8 +154,7 @@ def test_all_ranks_ran_and_agreed_on_the_rendezvous(local_slurm, jobs):
     for r in ranks:
         assert re.search(rf'"pid": {r["pid"]}\b', world), (r, world)
     # The template's own log file (#SBATCH --output=slurm/logs/%x-%j.out) got the job's output.
-    log = ROOT / "slurm" / "logs" / f"test-uninterrupted-{job_id}.out"
-    assert "rendezvous" in log.read_text()
+    assert "rendezvous" in template_log("uninterrupted", job_id).read_text()
 
 
 def test_sweep_ran_every_override_set_in_its_own_run_dir(local_slurm, recipe, jobs):
