@@ -10,7 +10,8 @@ real two-step training run (megatron backend, data parallel over 2 ranks on gloo
   ``zeros``, ``arange``, ``from_numpy``, ...: on a GPU machine these are host tensors);
 - propagation: every torch operation with a tainted input taints its outputs, except a move to
   the run device (``.to(current_device())``), which is exactly the fix;
-- sinks: the inputs of every ``torch.distributed`` collective and of the model's forward.
+- sinks: the inputs of every ``torch.distributed`` collective, of the model's forward and of the
+  sampler's per-token draw (the logits stay on the device where the model made them).
 
 A tainted tensor at a sink is a tensor that would be on the wrong device on a GPU.
 """
@@ -129,6 +130,18 @@ def _install_sinks(monkey, taint: HostTaint) -> None:
         return original_forward(self, *args, **kwargs)
 
     monkey.setattr(GPTModel, "forward", checked_forward)
+
+    # The sampler's per-token draw: [S, V] logits copied to the host there cost ~1 s per decode
+    # step on a GPU at S=256, V=152k (quatro_nemo/megatron/sampling.py generate).
+    from quatro_nemo.megatron import sampling
+
+    original_draw = sampling.draw_tokens
+
+    def checked_draw(logits, uniforms, *args, **kwargs):
+        taint.check("sampling.draw_tokens", (logits, uniforms))
+        return original_draw(logits, uniforms, *args, **kwargs)
+
+    monkey.setattr(sampling, "draw_tokens", checked_draw)
 
 
 def _train_rank(rank, args, result_path, break_device):
