@@ -72,7 +72,7 @@ class RunConfig:
     dir: str = "runs/cpu_default"   # run directory: config, metrics, checkpoints, report
     seed: int = 1234
     resume: bool = True             # restart the same command -> continue from the last checkpoint
-    progress_bar: bool = True       # a tqdm bar on a terminal (never in files or under SLURM logs)
+    progress_bar: bool = True       # a tqdm bar on a terminal; else a line per logged step (engine/progress.py)
 
 
 @dataclass

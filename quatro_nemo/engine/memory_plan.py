@@ -208,6 +208,7 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: "ClusterConfig", scale: 
         activations = in_flight * layers * full_layer
     logits = logits_bytes(m, tokens_mb, tp, LOSS_BYTES_PER_LOGIT)
     logprob_forward = logits_bytes(m, tokens_mb, tp, LOGPROB_FORWARD_BYTES_PER_LOGIT) + full_layer
+    load_transient = load_transient_elements(m, layout) * m.bytes_per_param
 
     total = total_parameter_count(m)
     reference = per_gpu * m.bytes_per_param if work.uses_reference else 0.0
@@ -254,7 +255,7 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: "ClusterConfig", scale: 
     phases = phase_bytes(PhaseInputs(
         state=state, reference=reference, reserve=reserve, engine_asleep=vllm_while_training,
         engine_build=vllm_budget, train_transient=train_transient, logprob_forward=logprob_forward,
-        load_transient=load_transient_elements(m, layout) * m.bytes_per_param, rollout=rollout_phase))
+        load_transient=load_transient, rollout=rollout_phase))
     unsharded_optimizer = training_state_bytes(m.bytes_per_param, False, 1).optimizer * per_gpu
     host = host_save(unsharded_optimizer, state.weights, largest_tensor_elements(m, tp) * m.bytes_per_param, dp,
                      offload_bytes=state.optimizer if offloaded else 0.0, reserve_bytes=cluster.host_reserve_gb * GB)
@@ -288,7 +289,7 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: "ClusterConfig", scale: 
         adam_moments_gb=state.adam / GB, weights_grads_optimizer_gb=state.full / GB,
         activations_gb=activations / GB, logits_gb=logits / GB, logprob_forward_gb=logprob_forward / GB,
         optimizer_step_transient_gb=step_transient / GB,
-        load_transient_gb=load_transient_elements(m, layout) * m.bytes_per_param / GB,
+        load_transient_gb=load_transient / GB,
         reference_gb=reference / GB, reserve_gb=reserve / GB, vllm_while_training_gb=vllm_while_training / GB,
         train_peak_allocated_gb=train_peak / GB, train_phase_gb=train_phase / GB,
         resident_during_rollout_gb=resident / GB if uses_vllm else 0.0, weight_push_gb=push / GB,
