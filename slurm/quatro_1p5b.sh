@@ -10,6 +10,9 @@
 # runs/<job name>-<job id> unless run.dir=... is given; the job log is slurm/logs/<name>-<id>.out.
 # Before the time limit (--signal) the ranks checkpoint and exit 75; the job requeues itself and
 # resumes from the newest checkpoint. See docs/cluster.md.
+# --signal's lead covers a step, a held-out evaluation and a save at the 2 nodes below, with
+# room to spare (python recipes/plan_memory.py config=quatro_1p5b cluster.nodes=2: "preemption lead";
+# tests/engine/test_memory_plan.py checks it). Fewer nodes need more: the run prints its need at start-up.
 #SBATCH --job-name=quatro-1p5b
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

@@ -72,7 +72,7 @@ class RunConfig:
     dir: str = "runs/cpu_default"   # run directory: config, metrics, checkpoints, report
     seed: int = 1234
     resume: bool = True             # restart the same command -> continue from the last checkpoint
-    progress_bar: bool = True       # a tqdm bar on a terminal (never in files or under SLURM logs)
+    progress_bar: bool = True       # a tqdm bar on a terminal; else a line per logged step (engine/progress.py)
 
 
 @dataclass
@@ -175,14 +175,31 @@ class ClusterConfig:
 
     nodes: int = 1
     gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0      # H100 80 GB
+    gpu_memory_gb: float = 80.0      # nominal size of one GPU (H100 80 GB): every phase must fit it
+    gpu_total_mib: Optional[int] = None
+    """The GPU's own total memory as nvidia-smi prints it (MiB), which vllm.gpu_memory_utilization
+    multiplies; None: the known total of a cluster.gpu_memory_gb card
+    (quatro_nemo.engine.memory_phases.KNOWN_GPU_TOTAL_MIB: 80 -> 81,920)."""
     reserve_gb: float = 6.0          # CUDA context, NCCL buffers, allocator fragmentation
+    host_memory_gb: float = 1000.0   # host memory of one node: a checkpoint save must fit it
+    host_reserve_gb: float = 10.0    # host memory of one rank's process (libraries, CUDA context, data)
     peak_tflops: float = 989.0       # bf16 dense peak of one GPU (H100 SXM), for time estimates
     assumed_mfu: float = 0.3         # model FLOPs utilisation assumed for the time estimate
+    memory_bandwidth_tb_s: float = 3.35  # HBM bandwidth of one GPU (H100 SXM), for the decoding time
+    assumed_mbu: float = 0.5         # memory bandwidth utilisation assumed for decoding
+    checkpoint_write_gb_s: float = 1.0   # one node's write bandwidth to the run directory, for the save time
 
     def __post_init__(self) -> None:
         for key in ("nodes", "gpus_per_node"):
             check_at_least(f"cluster.{key}", getattr(self, key), 1)
+        for key in ("gpu_memory_gb", "host_memory_gb", "peak_tflops", "memory_bandwidth_tb_s",
+                    "checkpoint_write_gb_s"):
+            check_positive(f"cluster.{key}", getattr(self, key))
+        check_number("cluster.gpu_total_mib", self.gpu_total_mib, positive=True, optional=True, integer=True)
+        for key in ("reserve_gb", "host_reserve_gb"):
+            check_number(f"cluster.{key}", getattr(self, key), non_negative=True)
+        for key in ("assumed_mfu", "assumed_mbu"):
+            check_in_unit_interval(f"cluster.{key}", getattr(self, key))
 
 
 @dataclass
@@ -210,6 +227,10 @@ class VllmConfig:
     # cache from the machine's memory less the whole process's resident memory, the trainer's included.
     kv_cache_memory_gb: Optional[float] = None
     sleep_between_phases: bool = True    # vLLM sleep mode: weights/KV cache freed while training
+    # What vLLM keeps on each GPU asleep (level 2): its CUDA-graph pool, NCCL and custom
+    # all-reduce buffers, the model runner's own buffers. An estimate for the planner;
+    # scripts/gpu_check.sh reads vLLM's "Sleep mode freed X GiB, Y GiB still in use".
+    sleep_residual_gb: float = 2.0
     activation_reserve_gb: float = 2.0   # vLLM's forward activations and sampler buffers
     max_num_seqs: int = 256              # vLLM's scheduler cap on concurrent sequences
     enforce_eager: bool = False          # no CUDA graphs (debugging)
@@ -217,6 +238,9 @@ class VllmConfig:
 
     def __post_init__(self) -> None:
         check_at_least("vllm.tensor_parallel", self.tensor_parallel, 1)
+        check_at_least("vllm.max_num_seqs", self.max_num_seqs, 1)
+        for key in ("sleep_residual_gb", "activation_reserve_gb"):
+            check_number(f"vllm.{key}", getattr(self, key), non_negative=True)
         check_in_unit_interval("vllm.gpu_memory_utilization", self.gpu_memory_utilization, closed_high=False)
 
 
@@ -337,11 +361,15 @@ def validate(cfg: DictConfig) -> ExperimentConfig:
     raw = OmegaConf.create(OmegaConf.to_container(tree, enum_to_str=True))  # plain data: choices as strings
     experiment = ExperimentConfig(algorithm_name=tree.algorithm.name, raw=raw, **sections)
     check_engine_support(experiment)
-    if experiment.rollout.backend == "vllm" and experiment.trainer.device != "cpu":
-        # Cluster runs (vLLM rollouts): refuse layouts that cannot fit before any GPU is touched. A
-        # run on the CPU (vLLM's CPU build, config=cpu_vllm) is not planned against the cluster's GPUs.
+    if is_planned(experiment):   # refuse layouts that cannot fit before any GPU is touched
         memory_plan(experiment)
     return experiment
+
+
+def is_planned(c: ExperimentConfig) -> bool:
+    """Cluster runs (vLLM rollouts on GPUs) are planned (:func:`memory_plan`); a run on the CPU
+    (vLLM's CPU build, config=cpu_vllm) is not planned against the cluster's GPUs."""
+    return c.rollout.backend == "vllm" and c.trainer.device != "cpu"
 
 
 def memory_plan(c: ExperimentConfig) -> MemoryPlan:
@@ -354,6 +382,15 @@ def memory_plan(c: ExperimentConfig) -> MemoryPlan:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
     return plan_run(c)
+
+
+def memory_plan_at_world(c: ExperimentConfig, world_size: int) -> MemoryPlan:
+    """:func:`memory_plan` for the machines a run got: ``cluster.nodes`` from its world size (the
+    job's ``#SBATCH --nodes`` does not reach the config) when it is a whole number of nodes."""
+    nodes, rest = divmod(world_size, c.cluster.gpus_per_node)
+    if nodes and not rest:
+        c = dataclasses.replace(c, cluster=dataclasses.replace(c.cluster, nodes=nodes))
+    return memory_plan(c)
 
 
 # --------------------------------------------------------------------------------------------

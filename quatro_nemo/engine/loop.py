@@ -27,7 +27,6 @@ import json
 import os
 import random
 import socket
-import sys
 import zlib
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
@@ -44,6 +43,8 @@ from quatro_nemo.engine.checkpoint import TrainState
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy, training_eval_settings
 from quatro_nemo.engine.logging import MetricsLogger
+from quatro_nemo.engine.preemption_lead import preemption_report
+from quatro_nemo.engine.progress import StepProgress
 from quatro_nemo.engine.report import heldout_table, write_report
 from quatro_nemo.engine.rollout import RolloutBackend, model_inputs
 from quatro_nemo.engine.rollout_backends import build_rollout_backend, hand_over_training_state
@@ -321,28 +322,33 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         print(f"[quatro] {cfg.algorithm_name} | world {run.layout.world_size} (tp {run.layout.tensor_parallel}, "
               f"pp {run.layout.pipeline_parallel}, dp {run.layout.data_parallel}) | steps {start_step}->"
               f"{trainer.steps} | run dir {cfg.run.dir}", flush=True)
-    preemption, progress = PreemptionFlag(), _progress_bar(cfg, rank0, start_step)
+        lead = preemption_report(cfg, run.layout.world_size)
+        if lead:
+            print(f"[quatro] {lead}", flush=True)
+    preemption, progress = PreemptionFlag(), StepProgress(cfg, rank0, start_step)
     if start_step == 0 and cfg.eval.num_problems > 0:
         evaluate(run, 0)   # the base model's held-out numbers, the report's "before" column
     for step in range(start_step, trainer.steps):
         metrics = train_step(run, step)
         done = step + 1 == trainer.steps
-        if (step + 1) % trainer.log_every == 0 or done:
+        logged = (step + 1) % trainer.log_every == 0 or done
+        if logged:
             run.logger.log(step + 1, metrics)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.1f}")
-        if cfg.eval.num_problems > 0 and (done or trainer.eval_every and (step + 1) % trainer.eval_every == 0):
-            evaluate(run, step + 1)   # before the checkpoint: a resumed run never redoes a logged record
+        progress.step_done(step + 1, metrics, logged)
         preempted = preemption.any_rank_signalled()
+        eval_due = done or trainer.eval_every and (step + 1) % trainer.eval_every == 0
+        if cfg.eval.num_problems > 0 and eval_due and (done or not preempted):
+            # Before the checkpoint: a resumed run never redoes a logged record. A pending
+            # preemption signal skips it (this step gets no held-out record): the save comes first.
+            evaluate(run, step + 1)
+            preempted = preemption.any_rank_signalled()
         if done or preempted or (trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0):
             ckpt.save_checkpoint(cfg.run.dir, step + 1, run.policy_ddp, run.optimizer, run.state.to_common(),
                                  ckpt.layout_signature(run.layout), keep=trainer.keep_checkpoints)
         if preempted and not done:
             run.logger.close()
             raise Preempted(f"{preemption.signal_name or 'signal on another rank'} at step {step + 1}")
-    if progress is not None:
-        progress.close()
+    progress.close()
     run.logger.close()
     return _finish(run) if rank0 else {}
 
@@ -482,14 +488,6 @@ def _step_metrics(rewards, advantage_metrics, update_metrics, rollout, old_entro
     out["entropy"] = float(local[0] / local[1].clamp(min=1))
     out["response_length/mean"] = float(local[1] / local[2])
     return out
-
-
-def _progress_bar(cfg: ExperimentConfig, rank0: bool, start_step: int):
-    if not (rank0 and cfg.run.progress_bar and sys.stderr.isatty()):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.trainer.steps, initial=start_step, desc=f"{cfg.algorithm_name}", unit="step")
 
 
 def _write_run_files(cfg: ExperimentConfig, layout) -> None:

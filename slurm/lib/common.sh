@@ -143,6 +143,17 @@ quatro_export_rendezvous() {
 }
 
 # Defaults for GPU runs; any of them set in the environment (or in the template) wins.
+# QUATRO_USR1_LEAD_S: the N of the batch script's own `#SBATCH --signal=...USR1@N` (SLURM runs a
+# copy of the template, its #SBATCH lines included), which rank 0 prints at start-up beside the
+# seconds the planner says a step, an evaluation and a save take (quatro_nemo/engine/preemption_lead.py).
+quatro_export_usr1_lead() {
+    local lead
+    lead=$(sed -n 's/^#SBATCH[[:space:]]\{1,\}--signal=[^@]*USR1@\([0-9]\{1,\}\).*/\1/p' "$0" 2>/dev/null | tail -n 1) || lead=""
+    if [ -n "$lead" ]; then
+        export QUATRO_USR1_LEAD_S=$lead
+    fi
+}
+
 quatro_export_comm_defaults() {
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     # Megatron's tensor-parallel communication overlap needs kernels issued in order.
@@ -268,6 +279,7 @@ quatro_run_recipe() {
     fi
 
     export QUATRO_RANK_LOG=$QUATRO_RUN_DIR/slurm_ranks.jsonl
+    quatro_export_usr1_lead
     quatro_export_rendezvous
     quatro_export_comm_defaults
     quatro_container_args
