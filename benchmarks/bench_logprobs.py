@@ -12,11 +12,11 @@ entropy term, as autograd's materialised zeros did). Prints, for each, the peak 
 element of the forward and of the backward (the logits included) and the backward's least seconds
 over ``--rounds``, then after/before ratios.
 
-Memory is each variant's peak resident set in a fresh process (Linux ``VmHWM``, reset through
-``/proc/self/clear_refs``; ``MALLOC_MMAP_THRESHOLD_`` set so that freed tensors go back to the
-kernel, as tests/engine/memory_probe.py measures the planner's terms). On a GPU the same tensors
-go through the caching allocator: ``torch.cuda.max_memory_allocated`` per logit gives the same
-counts (the planner's LOSS_BYTES_PER_LOGIT, quatro_nemo.engine.memory_plan).
+Memory on the CPU is each variant's peak resident set in a fresh process (Linux ``VmHWM``, reset
+through ``/proc/self/clear_refs``; ``MALLOC_MMAP_THRESHOLD_`` set so that freed tensors go back to
+the kernel, as tests/engine/memory_probe.py measures the planner's terms); with CUDA the logits are
+on the GPU and it is ``torch.cuda.max_memory_allocated`` above what was allocated before (the
+planner's LOSS_BYTES_PER_LOGIT, quatro_nemo.engine.memory_plan, counts these bytes).
 """
 from __future__ import annotations
 
@@ -42,8 +42,10 @@ VARIANTS = ("before", "after")  # the entropy's zero gradient materialised / nev
 
 def make_case(tokens: int, vocab: int):
     gen = torch.Generator().manual_seed(0)
-    logits = (3.0 * torch.randn(tokens, vocab, generator=gen)).requires_grad_()
-    return logits, torch.randint(0, vocab, (tokens,), generator=gen), torch.randn(tokens, generator=gen)
+    logits = 3.0 * torch.randn(tokens, vocab, generator=gen)
+    target, weights = torch.randint(0, vocab, (tokens,), generator=gen), torch.randn(tokens, generator=gen)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return logits.to(device).requires_grad_(), target.to(device), weights.to(device)
 
 
 def loss_of(variant: str, logits, target, weights):
@@ -67,6 +69,24 @@ def measure_memory(variant: str, tokens: int, vocab: int) -> dict:
     return {"forward": forward * 1024 / logits.numel(), "backward": backward * 1024 / logits.numel()}
 
 
+def measure_cuda_memory(variant: str, tokens: int, vocab: int) -> dict:
+    """On the GPU: peak bytes per logit of the forward and of the backward, the logits included."""
+    logits, target, weights = make_case(tokens, vocab)
+    baseline = torch.cuda.memory_allocated() - logits.numel() * logits.element_size()
+    torch.cuda.reset_peak_memory_stats()
+    loss = loss_of(variant, logits, target, weights)
+    forward = torch.cuda.max_memory_allocated() - baseline
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    backward = torch.cuda.max_memory_allocated() - baseline
+    return {"forward": forward / logits.numel(), "backward": backward / logits.numel()}
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def measure_seconds(tokens: int, vocab: int, rounds: int) -> dict:
     """The backward's least seconds of each variant, interleaved round by round."""
     logits, target, weights = make_case(tokens, vocab)
@@ -75,8 +95,10 @@ def measure_seconds(tokens: int, vocab: int, rounds: int) -> dict:
         for variant in VARIANTS:
             logits.grad = None
             loss = loss_of(variant, logits, target, weights)
+            synchronize()
             start = time.perf_counter()
             loss.backward()
+            synchronize()
             best[variant] = min(best[variant], time.perf_counter() - start)
     return best
 
@@ -99,9 +121,12 @@ def main() -> None:
     if args.memory_of:
         print(json.dumps(measure_memory(args.memory_of, args.tokens, args.vocab)))
         return
-    memory = {variant: memory_in_fresh_process(variant, args.tokens, args.vocab) for variant in VARIANTS}
+    measure = measure_cuda_memory if torch.cuda.is_available() else memory_in_fresh_process
+    memory = {variant: measure(variant, args.tokens, args.vocab) for variant in VARIANTS}
     seconds = measure_seconds(args.tokens, args.vocab, args.rounds)
-    print(f"{args.tokens} tokens x {args.vocab} vocabulary = {args.tokens * args.vocab / 1e6:.1f} M float32 logits")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"{args.tokens} tokens x {args.vocab} vocabulary = {args.tokens * args.vocab / 1e6:.1f} M float32 logits "
+          f"on {device}")
     for variant in VARIANTS:
         print(f"{variant:>7}: forward peak {memory[variant]['forward']:5.1f} B/logit, backward peak "
               f"{memory[variant]['backward']:5.1f} B/logit, backward {seconds[variant] * 1e3:8.1f} ms")

@@ -125,11 +125,15 @@ def _float64_logprob_gradient(logits, target, weights):
     return logits64.grad
 
 
-def test_a_detached_entropy_leaves_the_gradient_bitwise_unchanged_at_tp1():
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="needs CUDA")])])
+def test_a_detached_entropy_leaves_the_gradient_bitwise_unchanged_at_tp1(device):
     logits, target, weights = _logits_case()
-    lean, full = _gradients_with_and_without_the_entropy_term(logits, target, weights, None, 0)
+    lean, full = _gradients_with_and_without_the_entropy_term(logits.to(device), target.to(device),
+                                                              weights.to(device), None, 0)
     assert torch.equal(lean, full)
-    torch.testing.assert_close(lean.double(), _float64_logprob_gradient(logits, target, weights),
+    torch.testing.assert_close(lean.double().cpu(), _float64_logprob_gradient(logits, target, weights),
                                rtol=1e-5, atol=1e-6)
 
 

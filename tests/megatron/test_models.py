@@ -129,7 +129,7 @@ def test_this_cpu_detects_no_fusion_capability():
     assert FusionCapability.detect() == FusionCapability(cuda=False, transformer_engine=False, apex_fused_wgrad=False)
 
 
-def _fusions_rank(rank, fused):
+def _fusions_rank(rank, fused, params_dtype="float32"):
     """A qwen2 model (SwiGLU, RoPE, tied embeddings) built by build_model inside megatron's DDP:
     pi_old's log-probs (compute_logprobs), one training forward/backward
     (train_step_forward_backward) and its gradients. ``fused``: the GPU-only parts replaced at
@@ -144,6 +144,7 @@ def _fusions_rank(rank, fused):
     from quatro_nemo.algos import get_algorithm
     from quatro_nemo.megatron import models
     from quatro_nemo.megatron.forward import compute_logprobs, train_step_forward_backward
+    from quatro_nemo.megatron.compat import current_device
     from quatro_nemo.megatron.parallel import initialize_parallel
     from quatro_nemo.megatron.training import wrap_for_training
 
@@ -169,7 +170,7 @@ def _fusions_rank(rank, fused):
                                                             t, freqs, rotary_interleaved=interleaved))
         mlp.bias_swiglu_impl = counted("swiglu", mlp.bias_swiglu_impl)
     initialize_parallel(1, 1, seed=5)
-    model = models.build_model(ModelConfig(**QWEN2))
+    model = models.build_model(ModelConfig(**QWEN2, params_dtype=params_dtype))
     ddp = wrap_for_training(model, distributed_optimizer=False)
     gen = torch.Generator().manual_seed(0)
     rows, width = 6, 12
@@ -177,6 +178,7 @@ def _fusions_rank(rank, fused):
              "position_ids": torch.arange(width).expand(rows, width).contiguous(),
              "response_mask": (torch.arange(width - 1) >= 4).float().expand(rows, -1).contiguous(),
              "advantages": torch.randn(rows, generator=gen)}
+    batch = {key: value.to(current_device()) for key, value in batch.items()}
     with torch.no_grad():
         batch["old_logprobs"], _ = compute_logprobs(model, batch, 4)  # pi_old's pass
     spec, seen = get_algorithm("grpo"), []
@@ -187,7 +189,7 @@ def _fusions_rank(rank, fused):
 
     train_step_forward_backward(ddp, batch, spy, spec.config_cls(beta=0.0), 4)
     return {"flags": tuple(getattr(model.config, flag) for flag in FLAGS), "calls": calls, "same_as_pi_old": seen,
-            "grads": {name: p.main_grad.clone() for name, p in model.named_parameters()}}
+            "grads": {name: p.main_grad.cpu() for name, p in model.named_parameters()}}
 
 
 @pytest.mark.distributed
@@ -205,3 +207,25 @@ def test_the_model_built_on_the_cpu_has_every_fusion_off_and_a_fused_one_trains_
     for name, grad in unfused["grads"].items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(fused["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fusions this GPU can run")
+def test_on_a_gpu_the_detected_fusions_keep_pi_old_equal_to_the_training_forward():
+    """bf16, the fusions this GPU's process detects (megatron's compiled SwiGLU at least), micro-
+    batches of two shapes (torch.compile specialises the first, then compiles a dynamic-shape
+    kernel): the training forward's log-probs equal pi_old's bit for bit. In-process (a forked rank
+    cannot use CUDA initialised by the parent)."""
+    import os
+
+    from quatro_nemo.megatron.models import FusionCapability, fusions_for
+    from quatro_nemo.megatron.parallel import destroy_parallel, free_port
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    try:
+        result = _fusions_rank(0, False, "bfloat16")
+    finally:
+        destroy_parallel()
+    detected = fusions_for(FusionCapability.detect(), ModelConfig(**QWEN2))
+    assert result["flags"] == tuple(getattr(detected, flag) for flag in FLAGS) and detected.bias_activation_fusion
+    assert len(result["same_as_pi_old"]) == 2 and all(result["same_as_pi_old"])
