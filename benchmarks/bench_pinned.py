@@ -141,8 +141,8 @@ def main() -> None:
           f"{tp * sum(per_storage) / args.nodes / 1e9:.1f} GB -> {tp * sum(flat) / args.nodes / 1e9:.1f} GB: "
           f"x{sum(flat) / sum(per_storage):.3f}")
     if torch.cuda.is_available():
-        measured_per_storage, measured_flat = measure_on_gpu(ranks[worst])
-        print(f"measured on {torch.cuda.get_device_name()}: flat / per storage x{measured_flat / measured_per_storage:.3f}")
+        per_storage_bytes, flat_bytes = measure_on_gpu(ranks[worst])
+        print(f"measured on {torch.cuda.get_device_name()}: flat / per storage x{flat_bytes / per_storage_bytes:.3f}")
 
 if __name__ == "__main__":
     main()

@@ -164,7 +164,7 @@ class Fusions:
     bias_activation_fusion: bool
 
 
-def fusions_for(capability: FusionCapability, cfg: ModelConfig, megatron_ddp: bool = True) -> Fusions:
+def fusions_for(capability: FusionCapability, cfg: ModelConfig, megatron_ddp: bool) -> Fusions:
     """The fusions a model of ``cfg`` gets on a device with ``capability`` (megatron-core 0.19.2):
 
     - ``gradient_accumulation_fusion``: CUDA and apex's ``fused_weight_gradient_mlp_cuda``. The

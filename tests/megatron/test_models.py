@@ -226,6 +226,6 @@ def test_on_a_gpu_the_detected_fusions_keep_pi_old_equal_to_the_training_forward
         result = _fusions_rank(0, False, "bfloat16")
     finally:
         destroy_parallel()
-    detected = fusions_for(FusionCapability.detect(), ModelConfig(**QWEN2))
+    detected = fusions_for(FusionCapability.detect(), ModelConfig(**QWEN2), megatron_ddp=True)
     assert result["flags"] == tuple(getattr(detected, flag) for flag in FLAGS) and detected.bias_activation_fusion
     assert len(result["same_as_pi_old"]) == 2 and all(result["same_as_pi_old"])
