@@ -49,7 +49,8 @@ from quatro_nemo.eval.similarity import SIMILARITY_METRICS
 from quatro_nemo.megatron.models import ModelConfig
 from quatro_nemo.tasks.countdown.warmstart import WarmStartConfig
 from quatro_nemo.validation import (ConfigError, check_at_least, check_in_unit_interval, check_mini_batches,
-                                    check_number, check_positive, check_token_budget, choices, coerce_choices)
+                                    check_number, check_positive, check_token_budget, choice_values, choices,
+                                    coerce_choices)
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 PRIMARY_KEY = "config"          # config=NAME on the command line: the primary config conf/NAME.yaml
@@ -120,6 +121,39 @@ class TrainerConfig:
             check_number(f"trainer.{key}", getattr(self, key), non_negative=True)
 
 
+# rollout.importance_correction: one of ImportanceCorrection's modes, or auto (resolve_importance_correction)
+ImportanceCorrectionSetting = choices("ImportanceCorrectionSetting", ("auto", *choice_values(ImportanceCorrection)),
+                                      __name__)
+
+
+def resolve_importance_correction(setting: str, backend: str, params_dtype: str) -> ImportanceCorrection:
+    """``rollout.importance_correction``: ``auto`` -> token-level truncated importance sampling
+    where the engine and the trainer compute the log-probs with different kernels at a precision
+    where that shows, none where they agree; any other setting as it is.
+
+    ============  ===============  ========  ==================================================
+    backend       params_dtype     auto ->   why
+    ============  ===============  ========  ==================================================
+    megatron      any              none      the trained model samples itself: the same kernels
+    vllm          float32          none      vLLM's kernels vs megatron's, in float32: a gap of
+                                             float rounding (~1e-7 nats per token on the CPU,
+                                             docs/quatro-math.md Sec. 8)
+    vllm          bfloat16         token     vLLM's bf16 kernels vs megatron/TE's: bf16 rounding
+                                             in different reduction orders, summed over
+                                             thousands of response tokens
+    ============  ===============  ========  ==================================================
+
+    The device does not enter: vLLM's kernels differ from megatron's on the CPU and on a GPU alike;
+    the precision decides whether the difference matters. ``token`` as verl's ``rollout_is`` and
+    Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL training")
+    weight tokens, with ``rollout.importance_cap`` (C = 2, theirs)."""
+    if setting != "auto":
+        return ImportanceCorrection(setting)
+    if backend == RolloutBackendName.vllm and params_dtype != "float32":
+        return ImportanceCorrection.token
+    return ImportanceCorrection.none
+
+
 @dataclass
 class RolloutConfig:
     backend: RolloutBackendName = RolloutBackendName.megatron
@@ -128,16 +162,18 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32        # maximum response length in tokens
-    importance_correction: ImportanceCorrection = ImportanceCorrection.none
-    """none | token | sequence: truncated importance sampling between the engine's sampling policy
-    and pi_old (vllm only; quatro_nemo.algos.importance, docs/quatro-math.md Sec. 8)."""
+    importance_correction: ImportanceCorrectionSetting = ImportanceCorrectionSetting.auto
+    """auto | none | token | sequence: truncated importance sampling between the engine's sampling
+    policy and pi_old (vllm only; quatro_nemo.algos.importance, docs/quatro-math.md Sec. 8); auto is
+    resolved at start-up (:func:`resolve_importance_correction`), the run's config.yaml saves what
+    it resolved to."""
     importance_cap: float = 2.0     # the cap C of the importance weights
 
     def __post_init__(self) -> None:
         coerce_choices(self, "rollout")
         check_positive("rollout.max_new_tokens", self.max_new_tokens)
         check_positive("rollout.importance_cap", self.importance_cap)
-        if self.importance_correction != "none" and self.backend != "vllm":
+        if self.importance_correction not in ("auto", "none") and self.backend != "vllm":
             raise ConfigError("rollout.importance_correction needs rollout.backend=vllm (the megatron backend "
                               "samples from the trained model itself: there is no gap to correct)")
         check_positive("rollout.temperature", self.temperature)
@@ -358,6 +394,9 @@ def validate(cfg: DictConfig) -> ExperimentConfig:
         composed["algorithm"] = migrate_renamed_keys(composed["algorithm"])
     tree = _typed_tree(composed)
     sections = {f.name: _section_object(tree, f.name) for f in dataclasses.fields(ExperimentSections)}
+    rollout = sections["rollout"]
+    tree.rollout.importance_correction = rollout.importance_correction = ImportanceCorrectionSetting(
+        resolve_importance_correction(rollout.importance_correction, rollout.backend, sections["model"].params_dtype))
     raw = OmegaConf.create(OmegaConf.to_container(tree, enum_to_str=True))  # plain data: choices as strings
     experiment = ExperimentConfig(algorithm_name=tree.algorithm.name, raw=raw, **sections)
     check_engine_support(experiment)

@@ -347,15 +347,16 @@ def layer_activation_elements(m: ModelShape, tokens: int, tp: int, flash_attenti
 # Logits, checkpoint load
 # ---------------------------------------------------------------------------------------------
 
-# Bytes per logit element at the peak of the loss's backward
-# (``quatro_nemo.megatron.logprobs._VocabParallelLogProbsEntropy.backward``), float32 each: the
-# logits it saved (bf16 models: megatron's ``Float16Module`` casts them to float32 first), then
-# ``shifted``, ``probs``, ``grad`` and the ``grad_logprobs * probs`` temporary: 5 x 4. The
-# entropy is only a metric, so its gradient is never materialised (``ctx.set_materialize_grads(False)``,
-# issue 38): its branch, three more full-vocabulary temporaries (7 x 4 = 28), does not run.
-# Measured on the CPU (``tests/engine/test_memory_reality.py``): 21.2 bytes, 29.2 with the
-# entropy's zero gradient materialised.
-LOSS_BYTES_PER_LOGIT = 20
+# Bytes per logit element at the peak of the loss path
+# (``quatro_nemo.megatron.logprobs._VocabParallelLogProbsEntropy``), float32 each. The entropy is
+# only a metric, so its gradient is never materialised (``ctx.set_materialize_grads(False)``,
+# issue 38) and the backward computes the log-prob term alone, in place in one buffer: the saved
+# logits and that buffer, 2 x 4 = 8. The peak is the forward's: the float32 logits (bf16 models:
+# megatron's ``Float16Module`` casts them first), ``shifted``, its exponential and their product
+# for the entropy, 4 x 4 = 16. Measured (``tests/engine/test_memory_reality.py``,
+# ``benchmarks/bench_logprobs.py``): 16.9 on the CPU, 16.0 on an H200; 29.2 before, with the
+# entropy's zero gradient materialised (three more full-vocabulary passes, 7 x 4 = 28).
+LOSS_BYTES_PER_LOGIT = 16
 
 # Bytes per logit element of a forward-only log-prob pass (``compute_logprobs`` under no_grad:
 # pi_old, pi_ref, the held-out evaluation's entropy): the float32 logits, ``shifted``,
