@@ -216,17 +216,18 @@ def test_7b_plan_term_by_term_hand_derived():
     # (4h + (4,608 qkv + 3,584 attention + 37,888 fc1 + 18,944 fc2) / 2 = 46,848 per token).
     layer = 46_848 * 3584 * 2
     assert plan.activations_gb * gb == pytest.approx(28 * 3584 * 3584 * 2 + layer)
-    # One micro-batch's logits [3,584 x 76,032] at 20 bytes (the loss's backward without the
-    # entropy's gradient) + the output layer's bf16 input; a forward-only pass holds 16 bytes.
+    # One micro-batch's logits [3,584 x 76,032] at 16 bytes (the loss's forward: the entropy's
+    # gradient is never materialised, so the backward holds 8) + the output layer's bf16 input; a
+    # forward-only pass holds 16 bytes too.
     output_input = 3584 * 3584 * 2
-    assert plan.logits_gb * gb == pytest.approx(3584 * 76_032 * 20 + output_input)
+    assert plan.logits_gb * gb == pytest.approx(3584 * 76_032 * 16 + output_input)
     assert plan.logprob_forward_gb * gb == pytest.approx(3584 * 76_032 * 16 + output_input + layer)
     assert plan.optimizer_step_transient_gb == 0  # FusedAdam
     # vLLM asleep keeps vllm.sleep_residual_gb (2) while the trainer works; awake it takes half
     # of the device's own total (81,920 MiB), not of the nominal 80 GB.
     assert plan.vllm_while_training_gb == 2.0
     assert plan.vllm_gb * gb == pytest.approx(0.5 * H100_TOTAL)
-    assert plan.train_phase_gb * gb == pytest.approx(11 * params + 1_055_129_600 + 5_475_663_872 + 2e9 + 6e9)
+    assert plan.train_phase_gb * gb == pytest.approx(11 * params + 1_055_129_600 + 4_385_669_120 + 2e9 + 6e9)
     # Rollout: the optimizer and gradients offloaded; bf16 weights + reference + reserve stay; vLLM's
     # share covers its weights plus the push of 3 x the 152,064 x 3,584 embedding.
     assert plan.weight_push_gb * gb == pytest.approx(3 * 152_064 * 3584 * 2)
