@@ -46,6 +46,19 @@ def test_dockerfile_passes_hadolint():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_dockerfile_names_one_interpreter_and_installs_existing_locks():
+    """vLLM's image has python3 and no python: every command, the ranks' QUATRO_PYTHON and the
+    container default say python3, and pip runs as `python3 -m pip` (that interpreter's own)."""
+    text = (ROOT / "Dockerfile").read_text()
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert not re.findall(r"(?<![\w./-])python(?![\w.])", code), "a bare `python` in the Dockerfile"
+    assert not re.findall(r"(?<!-m )\bpip (?:install|check)", code), "pip not run as python3 -m pip"
+    assert "QUATRO_PYTHON=python3" in code
+    assert "QUATRO_CONTAINER_PYTHON:-python3}" in (ROOT / "slurm/lib/common.sh").read_text()
+    for lock in re.findall(r"requirements/locks/[\w.-]+\.txt", code):
+        assert (ROOT / lock).is_file(), f"the Dockerfile installs {lock}, which does not exist"
+
+
 def sbatch_directives(template: str) -> list:
     """The #SBATCH options sbatch reads: it stops at the first line that is not a comment."""
     options = []
