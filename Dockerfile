@@ -48,10 +48,11 @@ RUN python3 -c "import sys; assert sys.version_info[:2] == (3, 12), sys.version"
 ENV PIP_CONSTRAINT=/etc/quatro-stack-constraints.txt
 WORKDIR /opt/quatro-nemo
 COPY requirements/locks/image-build.txt requirements/locks/image-stack.txt requirements/locks/
-# A C++ compiler (vLLM's image has gcc for its JIT kernels, g++ perhaps not), then the build tools
-# and the CUDA headers torch's wheels lack (requirements/image-build.txt), hash-checked.
+# A C++ compiler as `c++`, the name torch's extension builder calls (vLLM's image has gcc for its
+# JIT kernels, g++ perhaps not), then the build tools and the CUDA headers torch's wheels lack
+# (requirements/image-build.txt), hash-checked.
 # hadolint ignore=DL3008
-RUN if ! command -v g++ > /dev/null; then \
+RUN if ! command -v c++ > /dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; \
     fi \
     && python3 -m pip install --no-deps --require-hashes -r requirements/locks/image-build.txt
@@ -61,10 +62,13 @@ RUN if ! command -v g++ > /dev/null; then \
 # torch's own CUDA, cuDNN and NCCL wheels (NVTE_BUILD_USE_NVIDIA_WHEELS: the base has no CUDA
 # development headers) and without NCCL's expert-parallel library (no header in torch's NCCL wheel;
 # the models here have no experts). Packages the base has at the locked version stay as they are.
+# The extension lands in transformer_engine/wheel_lib/, which TE loads by path: the check reads
+# its distribution's files (importing TE needs the driver's libcuda.so.1, absent from a build).
 # hadolint ignore=DL3059
 RUN NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_BUILD_USE_NVIDIA_WHEELS=1 NVTE_WITH_NCCL_EP=0 \
         python3 -m pip install --no-deps --require-hashes --no-build-isolation -r requirements/locks/image-stack.txt \
-    && python3 -c "import importlib.util as u; assert u.find_spec('transformer_engine_torch'), 'no TE extension'"
+    && python3 -c "import importlib.metadata as m; \
+assert any(f.suffix == '.so' for f in m.files('transformer_engine_torch')), 'TE extension not built'"
 # apex (WITH_APEX=1), compiled with the base's nvcc, which must be torch's CUDA release (apex's
 # setup.py checks), and CUDA's runtime and cuBLAS development headers from CUDA's apt repository.
 # hadolint ignore=DL3008,DL3059
