@@ -17,17 +17,18 @@
 # and a tiny model.*: tests/conversion/test_gpu_check_smoke.py runs this script on the CPU).
 #
 # Dependencies: torch (with CUDA) must be installed. When megatron-core or the other pure-Python
-# dependencies (requirements/gpu_check.txt) are missing, they are installed without an index from
-# WHEEL_DIR (or $QUATRO_WHEELS), prepared where a registry is reachable:
-#     pip download --no-deps --dest wheels/ -r requirements/gpu_check.txt
+# dependencies (requirements/gpu_check.txt, at the GPU image's versions: locks/gpu_check.txt) are
+# missing, they are installed hash-checked without an index from WHEEL_DIR (or $QUATRO_WHEELS),
+# prepared with Python 3.12 where a registry is reachable:
+#     pip download --no-deps --require-hashes --dest wheels/ -r requirements/locks/gpu_check.txt
 # Environment: GPU_CHECK_DIR (run directories; default runs/gpu_check-<UTC time>),
 # GPU_CHECK_BACKENDS (default "megatron vllm packed"), GPU_CHECK_TOKEN_BUDGET (packed: tokens per
 # micro-batch, default 8192), GPU_CHECK_BUDGET_S (seconds all train.py commands
 # together may take, default 540: a command is stopped when the budget is spent and the check fails),
-# PYTHON (default: the repository's .venv, else python).
+# PYTHON (default: the repository's .venv, else python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -44,8 +45,10 @@ overrides=("$@")
 if ! "$PYTHON" -c "import megatron.core, omegaconf, hydra, scipy, safetensors" 2>/dev/null; then
     [ -n "$wheels" ] || die "megatron-core (or another requirements/gpu_check.txt package) is missing: pass a wheel directory (bash scripts/gpu_check.sh WHEEL_DIR; see this script's header)"
     [ -d "$wheels" ] || die "wheel directory '$wheels' not found"
-    say "installing requirements/gpu_check.txt from $wheels (no index)"
-    "$PYTHON" -m pip install --no-index --find-links "$wheels" -r requirements/gpu_check.txt
+    say "installing requirements/locks/gpu_check.txt from $wheels (no index)"
+    # no build isolation: antlr4-python3-runtime 4.9.3 is an sdist, built with the installed setuptools
+    "$PYTHON" -m pip install --no-index --find-links "$wheels" --no-deps --require-hashes --no-build-isolation \
+        -r requirements/locks/gpu_check.txt
 fi
 
 check_dir=${GPU_CHECK_DIR:-runs/gpu_check-$(date -u +%Y%m%dT%H%M%S)}

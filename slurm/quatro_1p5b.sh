@@ -26,7 +26,9 @@
 #SBATCH --output=slurm/logs/%x-%j.out
 set -euo pipefail
 
-# Cluster-specific network settings, if your cluster needs them:
+# Network: Gloo (megatron's and vLLM's CPU-side groups) uses the interface that holds the first
+# node's address, and the job stops before starting any rank if that is a loopback address or
+# none (slurm/lib/common.sh). Name the cluster network's interface here to choose it yourself:
 # export NCCL_SOCKET_IFNAME=ib0 NCCL_IB_HCA=mlx5
 
 QUATRO_ROOT=${QUATRO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
