@@ -94,8 +94,10 @@ class SampleWeights:
 
     @property
     def ess_frac(self) -> torch.Tensor:
-        """[B] effective sample fraction ``(sum w)^2 / (N sum w^2) = 1 / (N sum w̄^2)``, in [1/N, 1]."""
-        return 1.0 / (self.log_normalised.shape[1] * self.normalised.square().sum(dim=1))
+        """[B] effective sample fraction ``(sum w)^2 / (N sum w^2) = 1 / (N sum w̄^2)``, in [1/N, 1]
+        (exactly 1 for equal weights: computed on the weights relative to each row's largest)."""
+        relative = (self.log_normalised - self.log_normalised.amax(dim=1, keepdim=True)).exp()
+        return relative.sum(dim=1).square() / (self.log_normalised.shape[1] * relative.square().sum(dim=1))
 
     @property
     def low_ess(self) -> torch.Tensor:
