@@ -21,20 +21,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, Optional, Protocol
+from typing import TYPE_CHECKING, Dict, List, Optional, Protocol
 
 from quatro_nemo.algos.off_policy import DEFAULT_ESS_FLOOR, BehaviourWeight, OffPolicyCorrection
 from quatro_nemo.validation import Choice, ConfigError, check_number, coerce_choices
 
 
 if TYPE_CHECKING:  # the run config imports this module; the rollout's tensors stay out of its imports
-    from quatro_nemo.engine.rollout import RolloutBatch
+    from quatro_nemo.engine.rollout import RolloutBackend, RolloutBatch
+    from quatro_nemo.megatron.sampling import SamplingParams
 
 
 class RolloutExecutorName(Choice):
     """``rollout.pipeline.executor``: who samples a submitted request."""
 
     inline = "inline"   # at submit time, in the training processes, by the trainer's current weights
+    process = "process"  # in a process of its own, fed the weights at each push (overlaps training)
 
 
 @dataclass
@@ -45,7 +47,8 @@ class PipelineConfig:
     """k: step s's rollout is sampled by the weights of step max(0, s - k); 0 = the synchronous loop."""
     executor: RolloutExecutorName = RolloutExecutorName.inline
     """inline (sampled when submitted, by the trainer's current weights: exact k-step-stale data on
-    any backend and layout, no overlap)."""
+    any backend and layout, no overlap) | process (a rollout worker process per data-parallel rank,
+    fed the weights through shared memory at each push: sampling overlaps training)."""
     correction: OffPolicyCorrection = OffPolicyCorrection.proximal
     """proximal (trust region around the trainer's weights, importance weights) | behaviour
     (around the sampling weights) | none (the control arm): Sec. 9.2."""
@@ -53,6 +56,8 @@ class PipelineConfig:
     """sequence | seq_mean: a response's importance weight pi_prox / mu, exact or length-normalised (Sec. 9.3)."""
     ess_floor: float = DEFAULT_ESS_FLOOR
     """In [0, 1]: a group whose effective sample fraction is below it counts as constant in QUATRO's dual."""
+    take_timeout_s: float = 600.0
+    """process: seconds the trainer waits for the worker (its start included) before failing the run."""
 
     def __post_init__(self) -> None:
         coerce_choices(self, "rollout.pipeline")
@@ -60,11 +65,14 @@ class PipelineConfig:
         check_number("rollout.pipeline.ess_floor", self.ess_floor, non_negative=True)
         if self.ess_floor > 1:
             raise ConfigError(f"rollout.pipeline.ess_floor must be in [0, 1], got {self.ess_floor!r}")
+        check_number("rollout.pipeline.take_timeout_s", self.take_timeout_s, positive=True)
 
     @property
     def overlapped(self) -> bool:
-        """Whether rollouts are sampled ahead of the step that trains on them (the async/* metrics)."""
-        return self.max_staleness > 0
+        """Whether rollouts may be sampled by older weights than the step's (``k > 0``: mu's
+        log-probs, the correction, the rollouts in the checkpoint) or by another process: the
+        ``async/*`` metrics are logged then."""
+        return self.max_staleness > 0 or self.executor != RolloutExecutorName.inline
 
 
 class ScheduleError(RuntimeError):
@@ -74,6 +82,21 @@ class ScheduleError(RuntimeError):
 def rollout_version(step: int, max_staleness: int) -> int:
     """The version (the rollout step whose starting weights) that samples step ``step``'s rollout."""
     return max(0, step - max_staleness)
+
+
+@dataclass
+class SamplingJob:
+    """What one step's rollout samples on this rank: ``num_samples`` responses for each of
+    ``prompts`` (token ids), whose global prompt slots are ``prompt_indices``, with ``params``
+    (its seed is the step's). Picklable: a worker process receives it."""
+
+    prompts: List[List[int]]
+    num_samples: int
+    params: "SamplingParams"
+    prompt_indices: List[int]
+
+    def sample(self, backend: "RolloutBackend") -> "RolloutBatch":
+        return backend.generate(self.prompts, self.num_samples, self.params, prompt_indices=self.prompt_indices)
 
 
 @dataclass(frozen=True)
@@ -192,4 +215,4 @@ class RolloutPipeline:
 
 
 __all__ = ["PipelineConfig", "RolloutExecutor", "RolloutExecutorName", "RolloutPipeline", "RolloutRequest",
-           "RolloutResult", "ScheduleError", "TakenRollout", "rollout_version"]
+           "RolloutResult", "SamplingJob", "ScheduleError", "TakenRollout", "rollout_version"]

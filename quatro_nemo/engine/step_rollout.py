@@ -2,8 +2,8 @@
 
 A step's prompts (:func:`step_prompt_indices`) and sampling noise (:func:`derive_seed`) are pure
 functions of (run seed, step), so the data position needs no saving and a rollout sampled k steps
-ahead is the same as one sampled now by the same weights. :func:`sample_rollout` is steps 1-2 of a
-training step with the current weights; :func:`build_pipeline` puts it behind the run's
+ahead is the same as one sampled now by the same weights. :func:`sampling_job` is steps 1-2 of a
+training step; :func:`build_pipeline` puts it behind the run's
 :class:`~quatro_nemo.engine.pipeline.RolloutPipeline` (``rollout.pipeline``), with the rollouts
 in flight of the checkpoint the run resumes from.
 """
@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine import rollout_store
-from quatro_nemo.engine.executors import InlineExecutor, trainer_logprobs
-from quatro_nemo.engine.pipeline import RolloutPipeline
-from quatro_nemo.engine.rollout import RolloutBatch
+from quatro_nemo.engine.executors import InlineExecutor, ProcessExecutor
+from quatro_nemo.engine.rollout import trainer_logprobs
+from quatro_nemo.engine.pipeline import RolloutExecutor, RolloutExecutorName, RolloutPipeline, SamplingJob
+from quatro_nemo.engine.rollout_worker import MegatronEngineSpec
 from quatro_nemo.megatron.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,23 +52,35 @@ def step_problems(run: "Run", step: int) -> List[Dict[str, Any]]:
     return [run.task.train_problems[indices[s]] for s in run.slots]
 
 
-def sample_rollout(run: "Run", step: int) -> RolloutBatch:
-    """Steps 1-2 of rollout step ``step`` with the current weights: N responses for each of this DP
-    rank's prompts (sampling noise keyed by (seed, step, global slot), so every layout draws the
-    same responses)."""
+def sampling_job(run: "Run", step: int) -> SamplingJob:
+    """Steps 1-2 of rollout step ``step``: N responses for each of this DP rank's prompts (sampling
+    noise keyed by (seed, step, global slot), so every layout draws the same responses)."""
     rollout_cfg = run.cfg.rollout
     params = SamplingParams(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                             max_new_tokens=rollout_cfg.max_new_tokens, seed=derive_seed(run.cfg.run.seed, "rollout", step))
-    return run.task.generate(run.backend, step_problems(run, step), run.slots, rollout_cfg.n, params)
+    return SamplingJob([run.task.encode_prompt(p) for p in step_problems(run, step)], rollout_cfg.n, params,
+                       list(run.slots))
+
+
+def build_executor(run: "Run") -> RolloutExecutor:
+    """The executor ``rollout.pipeline.executor`` names: mu's log-probs computed where the
+    pipeline may make a rollout stale and the backend gives none (the megatron sampler)."""
+    pipeline_cfg = run.cfg.rollout.pipeline
+    position = lambda: (run.state.next_step, run.state.optimizer_steps)  # noqa: E731
+    if pipeline_cfg.executor == RolloutExecutorName.process:
+        engine = MegatronEngineSpec(run.task.model_config(run.cfg.model), tuple(run.task.stop_token_ids),
+                                    run.task.pad_id, run.batching, run.cfg.run.seed)
+        return ProcessExecutor(lambda step: sampling_job(run, step), engine, run.policy, position,
+                               pipeline_cfg.take_timeout_s)
+    behaviour = trainer_logprobs(run.policy, run.batching) if pipeline_cfg.overlapped else None
+    return InlineExecutor(lambda step: sampling_job(run, step).sample(run.backend), position, behaviour)
 
 
 def build_pipeline(run: "Run", resume_from: Optional[int]) -> RolloutPipeline:
     """The run's rollout pipeline (``rollout.pipeline``, quatro_nemo.engine.pipeline), with the
     rollouts in flight of the checkpoint ``resume_from`` (a run keeps its max_staleness)."""
     pipeline_cfg = run.cfg.rollout.pipeline
-    behaviour = trainer_logprobs(run.policy, run.batching) if pipeline_cfg.overlapped else None
-    executor = InlineExecutor(lambda step: sample_rollout(run, step),
-                              lambda: (run.state.next_step, run.state.optimizer_steps), behaviour)
+    executor = build_executor(run)
     finished, submitted_through = {}, run.state.next_step - 1
     if resume_from is not None:
         finished, submitted_through = rollout_store.restore(
@@ -76,4 +89,4 @@ def build_pipeline(run: "Run", resume_from: Optional[int]) -> RolloutPipeline:
     return RolloutPipeline(pipeline_cfg.max_staleness, executor, finished, submitted_through)
 
 
-__all__ = ["build_pipeline", "derive_seed", "sample_rollout", "step_problems", "step_prompt_indices"]
+__all__ = ["build_executor", "build_pipeline", "derive_seed", "sampling_job", "step_problems", "step_prompt_indices"]

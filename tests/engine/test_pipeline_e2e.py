@@ -59,7 +59,7 @@ def _resample(rank, run_dir, checks):
 
     from quatro_nemo.engine import checkpoint as ckpt
     from quatro_nemo.engine.config import validate
-    from quatro_nemo.engine.executors import trainer_logprobs
+    from quatro_nemo.engine.rollout import trainer_logprobs
     from quatro_nemo.engine.loop import step_micro_batching
     from quatro_nemo.engine.rollout import MegatronRolloutBackend
     from quatro_nemo.engine.step_rollout import derive_seed, step_prompt_indices
@@ -141,3 +141,37 @@ def test_a_run_resumed_with_rollouts_in_flight_is_the_uninterrupted_run(stale_ru
     assert code != 0
     assert "rollout.pipeline.max_staleness=1, but the run's checkpoint" in output, output[-3000:]
     assert "written with rollout.pipeline.max_staleness=2" in output
+
+
+def test_the_process_executor_killed_while_sampling_resumes_to_the_inline_run_bit_for_bit(stale_run, tmp_path):
+    """rollout.pipeline.executor=process (megatron's sampler in a worker process, fed the weights
+    through shared memory): the run and its worker SIGKILLed at a random moment of step 3, after
+    the checkpoint of step 2 (the worker samples step 4 + ... then), and the same command resumed:
+    the records are the inline executor's, bit for bit (the same weights sample the same tokens;
+    mu's log-probs are the same pass in the worker as in the trainer)."""
+    import random
+    import signal
+    import time
+
+    from .test_train_e2e import latest_complete_checkpoint, start_step
+
+    args, inline_dir = stale_run
+    run_dir = str(tmp_path / "process")
+    args = [a if not a.startswith("run.dir=") else f"run.dir={run_dir}" for a in args] + ["rollout.pipeline.executor=process"]
+    step_seconds = {r["step"]: r["time/step"] for r in train_records(inline_dir) if r["kind"] == "train"}
+    process = run_train(args, start_new_session=True)
+    marker = os.path.join(run_dir, "checkpoints", "step_000002", "COMPLETE")
+    deadline = time.time() + 600
+    while not os.path.exists(marker):
+        assert process.poll() is None, process.communicate()[0]
+        assert time.time() < deadline, "no checkpoint for step 2"
+        time.sleep(0.05)
+    time.sleep(random.Random(39).uniform(0.0, step_seconds[3]))
+    assert process.poll() is None, "the run ended before the kill"
+    os.killpg(process.pid, signal.SIGKILL)      # the trainer and its rollout worker
+    process.communicate(timeout=120)
+    resume_from = latest_complete_checkpoint(run_dir)
+    code, output = finish(run_train(args))
+    assert code == 0, output
+    assert start_step(output) == resume_from >= 2
+    assert_same_records(run_dir, inline_dir)
