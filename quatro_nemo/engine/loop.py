@@ -2,10 +2,12 @@
 
     for step in steps:
         prompts      <- B prompts of the training set (a function of (seed, step): exact resume)
-        rollouts     <- N responses per prompt from pi_old                 (rollout backend)
+        rollouts     <- N responses per prompt, sampled by the weights of step max(0, step - k)
+                        (rollout pipeline and backend; k = rollout.pipeline.max_staleness, 0: pi_old)
         rewards      <- verifier(prompt, response)                         [B, N]
-        advantages   <- registry estimator(rewards)   (QUATRO: exact per-prompt dual, Eq. 11-15)
         log pi_old, log pi_ref <- Megatron forward under TP/PP
+        (a rollout sampled by older weights: importance weights pi_old / mu, quatro-math.md Sec. 9)
+        advantages   <- registry estimator(rewards)   (QUATRO: exact per-prompt dual, Eq. 11-15)
         repeat K times (inner loops; pi_old stays the rollout policy):
             for each mini-batch: Megatron forward/backward of the registry loss with GLOBAL
                                  normalisers -> megatron DDP grad reduction -> megatron
@@ -38,9 +40,9 @@ from quatro_nemo.algos.importance import ImportanceCorrection, truncated_importa
 from quatro_nemo.algos.metric_reduction import reduce_over_updates
 from quatro_nemo.algos.step_state import AlgorithmState, StepMeasurements
 from quatro_nemo.engine import checkpoint as ckpt
+from quatro_nemo.engine import rollout_store
 from quatro_nemo.engine.checkpoint import TrainState
 from quatro_nemo.engine.config import ExperimentConfig
-from quatro_nemo.engine import rollout_store
 from quatro_nemo.engine.evaluation import evaluate_policy, training_eval_settings
 from quatro_nemo.engine.logging import MetricsLogger
 from quatro_nemo.engine.off_policy import OffPolicyStep, correct_stale_rollout
@@ -278,7 +280,7 @@ def train_step(run: Run, step: int) -> Dict[str, float]:
                                      dtype=torch.float64).view(len(problems), n)
         rewards, groups = shape_rewards(run.spec, cfg.algorithm, rollout, local_rewards, batch_size,
                                         cfg.trainer.mini_batch_prompts or batch_size, cfg.rollout.max_new_tokens)
-    # 4-6. Advantages, log pi_old / log pi_ref (phase "logprobs"), K inner loops ("update").
+    # 4-6. log pi_old / log pi_ref, advantages (phase "logprobs"), K inner loops ("update").
     learned = learn_from_rollout(run, cfg, rollout, groups, timer, stale=taken.result.version < step)
     run.algorithm_state.observe(StepMeasurements(rewards, learned.policy_shift, learned.off_policy.sample_weights))
     run.state = TrainState(next_step=step + 1, optimizer_steps=run.state.optimizer_steps + len(learned.metrics),
