@@ -41,9 +41,11 @@ from omegaconf.errors import OmegaConfBaseException
 from quatro_nemo.algos import ALGORITHMS, AlgorithmConfig, build_algorithm
 from quatro_nemo.algos.config import RENAMED_KEYS, migrate_renamed_keys, renamed_key_error
 from quatro_nemo.algos.importance import ImportanceCorrection
+from quatro_nemo.algos.off_policy import OffPolicyCorrection
 from quatro_nemo.algos.schema import algorithm_schema, register_algorithm_schemas
 from quatro_nemo.engine.capabilities import Device, RolloutBackendName, check_engine_support
 from quatro_nemo.engine.memory_plan import MemoryPlan, plan_run
+from quatro_nemo.engine.pipeline import PipelineConfig
 from quatro_nemo.engine.task import TASK_SCHEMAS, register_task_schemas, task_vocab_size
 from quatro_nemo.eval.similarity import SIMILARITY_METRICS
 from quatro_nemo.megatron.models import ModelConfig
@@ -168,9 +170,16 @@ class RolloutConfig:
     resolved at start-up (:func:`resolve_importance_correction`), the run's config.yaml saves what
     it resolved to."""
     importance_cap: float = 2.0     # the cap C of the importance weights
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Rollouts sampled k steps ahead of training (quatro_nemo.engine.pipeline; docs/quatro-math.md Sec. 9)."""
 
     def __post_init__(self) -> None:
         coerce_choices(self, "rollout")
+        if (self.pipeline.max_staleness > 0 and self.pipeline.correction == OffPolicyCorrection.proximal
+                and self.importance_correction != "none"):
+            raise ConfigError("rollout.importance_correction and rollout.pipeline.correction=proximal both weight "
+                              "the loss by pi_prox / mu when rollout.pipeline.max_staleness > 0: set one of them "
+                              "to none (docs/quatro-math.md Sec. 9.5)")
         check_positive("rollout.max_new_tokens", self.max_new_tokens)
         check_positive("rollout.importance_cap", self.importance_cap)
         if self.importance_correction not in ("auto", "none") and self.backend != "vllm":

@@ -1,7 +1,8 @@
 """Run outputs: metrics.jsonl (the record a resumed run must reproduce), TensorBoard, optional W&B.
 
-Only rank 0 writes. Keys under ``time/`` hold wall-clock figures; every other key is a function
-of the seed and the data, so an interrupted-and-resumed run writes the same lines as an
+Only rank 0 writes. Keys under ``time/``, and keys ending in ``_s`` (seconds: the rollout
+pipeline's ``async/wait_s``, ``async/push_s``), hold wall-clock figures; every other key is a
+function of the seed and the data, so an interrupted-and-resumed run writes the same lines as an
 uninterrupted one (``deterministic_view`` drops the timing keys for that comparison).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Dict, Iterable, List, Optional
 from quatro_nemo.data.schema import iter_jsonl
 
 TIME_PREFIX = "time/"
+SECONDS_SUFFIX = "_s"
 
 
 def _plain(value: Any) -> Any:
@@ -89,4 +91,9 @@ def truncate_metrics(path: str, through_step: int) -> None:
 
 def deterministic_view(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The records without wall-clock keys: what two runs of the same config must agree on."""
-    return [{k: v for k, v in r.items() if not k.startswith(TIME_PREFIX)} for r in records]
+    return [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in records]
+
+
+def is_wall_clock(key: str) -> bool:
+    """Whether metric ``key`` is a wall-clock figure (module docstring)."""
+    return key.startswith(TIME_PREFIX) or key.endswith(SECONDS_SUFFIX)

@@ -21,10 +21,13 @@ any split of the prompts across data-parallel ranks (pass each rank's ``first_pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Sequence
+from typing import Callable, Dict, List, Optional, Protocol, Sequence
 
 import torch
 
+from quatro_nemo.megatron.batching import MicroBatching
+from quatro_nemo.megatron.compat import current_device
+from quatro_nemo.megatron.forward import compute_logprobs
 from quatro_nemo.megatron.sampling import SampleOutput, SamplingParams, generate
 
 
@@ -139,6 +142,21 @@ def pad_to_length(sample: SampleOutput, length: int, pad_id: int) -> SampleOutpu
         response_lengths=sample.response_lengths,
         finished=sample.finished,
     )
+
+
+def trainer_logprobs(policy, batching: MicroBatching) -> Callable[[RolloutBatch], torch.Tensor]:
+    """``rollout -> log pi(o_t)`` [S, L-1] (CPU, float32, 0 outside the response) by the trainer's
+    own forward pass (``compute_logprobs``, the function that computes pi_prox when the step
+    trains: with the same weights, the same values bit for bit) at temperature 1: the behaviour
+    log-probs of the megatron sampler, which samples with the trained model itself
+    (docs/quatro-math.md Sec. 9.6). Collective over the model-parallel group."""
+
+    def logprobs(rollout: RolloutBatch) -> torch.Tensor:
+        with torch.no_grad():
+            values, _ = compute_logprobs(policy, model_inputs(rollout, current_device()), batching)
+        return values.cpu() * rollout.response_mask
+
+    return logprobs
 
 
 def model_inputs(rollout: RolloutBatch, device: torch.device) -> Dict[str, torch.Tensor]:

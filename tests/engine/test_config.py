@@ -167,6 +167,17 @@ def test_a_run_saved_with_quatros_flat_keys_validates_to_the_nested_config(tmp_p
     (["rollout.importance_correction=token"], "rollout.importance_correction"),   # megatron: no engine gap
     (["rollout.backend=vllm", "rollout.importance_correction=tokens"], "rollout.importance_correction"),
     (["rollout.importance_cap=0"], "rollout.importance_cap"),
+    (["rollout.pipeline.max_staleness=-1"], "rollout.pipeline.max_staleness"),
+    (["rollout.pipeline.max_staleness=1.5"], "rollout.pipeline.max_staleness"),
+    (["rollout.pipeline.ess_floor=1.5"], "rollout.pipeline.ess_floor"),
+    (["rollout.pipeline.correction=decoupled"], "rollout.pipeline.correction"),
+    (["rollout.pipeline.weight=token"], "rollout.pipeline.weight"),
+    (["rollout.pipeline.executor=threads"], "rollout.pipeline.executor"),
+    (["rollout.pipeline.executor=process", "parallel.tensor=2"], "rollout.pipeline.executor=process needs parallel.tensor=1"),
+    (["rollout.pipeline.executor=process", "rollout.backend=vllm", "trainer.device=cpu"], "rollout.backend=vllm"),
+    (["rollout.pipeline.take_timeout_s=0"], "rollout.pipeline.take_timeout_s"),
+    (["rollout.pipeline.max_staleness=1", "rollout.backend=vllm", "rollout.importance_correction=token"],
+     "rollout.pipeline.correction=proximal"),
     (["config=does_not_exist"], "does_not_exist"),
     (["no_equals_sign"], "no_equals_sign"),
 ])
