@@ -9,7 +9,7 @@ import pytest
 from quatro_nemo.algos import ALGORITHMS
 from quatro_nemo.engine.config import load_config
 from quatro_nemo.study.config import StudyConfigError, load_study_config, study_config_from_dict
-from quatro_nemo.study.driver import build_plan
+from quatro_nemo.study.planner import build_plan
 from quatro_nemo.study.plan import sweep_lines, train_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
