@@ -26,7 +26,8 @@ from quatro_nemo.engine.api import RunRequest, preflight
 from quatro_nemo.engine.heldout import EvalRequest, evaluate_base
 from quatro_nemo.engine.run_dir import RunDir
 from quatro_nemo.study.config import StudyConfig
-from quatro_nemo.study.kept import BASE, adopt, archive_path, is_kept, keep, keep_run, publish
+from quatro_nemo.study.kept import (BASE, METRICS_DIR, adopt, archive_path, is_kept, keep, keep_run, kept_identity, publish,
+                                    read_archive)
 from quatro_nemo.study.plan import RunSpec, StudyPlan, run_config, study_base_config
 from quatro_nemo.study.planner import build_plan
 from quatro_nemo.study.runner import REPO, RunResult, run_dir
@@ -164,3 +165,26 @@ class StudyRuns:
             json.dump(progress, f, indent=1)
         os.replace(tmp, os.path.join(self.out_dir, PROGRESS_FILE))
         return progress
+
+
+def record_identities(cfg: StudyConfig, results_dir: str, log: Callable[[str], None] = print) -> int:
+    """Give the kept runs of ``results_dir`` that have no identity record (kept before runs had
+    identities) the identity of this study's run of that name, the name deciding as the runner's
+    check did then: each such file is rewritten with its identity first and every record of it
+    unchanged. Returns how many; a kept file the plan does not name is left as it is, and logged."""
+    plan = build_plan(cfg, results_dir)
+    runs = StudyRuns(cfg, plan, results_dir)
+    requests = {name: runs.request(spec) for name, spec in plan.runs.items()}
+    requests[BASE] = base_request(cfg)
+    recorded = 0
+    for file in sorted(os.listdir(os.path.join(results_dir, METRICS_DIR))):
+        name = file[:-len(".jsonl.gz")]
+        path = archive_path(results_dir, name)
+        if not file.endswith(".jsonl.gz") or kept_identity(path) is not None:
+            continue
+        if name not in requests:
+            log(f"[study] {path}: not a run of study '{cfg.name}'; left without an identity")
+            continue
+        keep(results_dir, name, requests[name].identity_record(), read_archive(path))
+        recorded += 1
+    return recorded
