@@ -77,15 +77,20 @@ def adopt(results_dir: Optional[str], study_dir: str, name: str, request: RunReq
         return False
     if is_kept(study_dir, name, request) or not is_kept(results_dir, name, request):
         return False
-    os.makedirs(os.path.join(study_dir, METRICS_DIR), exist_ok=True)
-    shutil.copyfile(archive_path(results_dir, name), archive_path(study_dir, name))
+    _copy(archive_path(results_dir, name), archive_path(study_dir, name))
     return True
 
 
 def publish(study_dir: str, results_dir: str, name: str) -> str:
     """Copy a kept run into ``results_dir`` (to be committed); its path there."""
     target = archive_path(results_dir, name)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    shutil.copyfile(archive_path(study_dir, name), target + ".tmp")
-    os.replace(target + ".tmp", target)
+    _copy(archive_path(study_dir, name), target)
     return target
+
+
+def _copy(source: str, target: str) -> None:
+    """A copy that is complete or absent (a process stopped mid-copy leaves no half file)."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.tmp{os.getpid()}"
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
