@@ -12,9 +12,13 @@
     python recipes/study.py collect=runs/sweeps/study_full-<timestamp> study.train_config=quatro_1p5b 'study.train_overrides=[]'
     python recipes/study.py --config-dir my_conf study=mine   # a study config of your own: my_conf/study/mine.yaml
 
-Each run is recipes/train.py in <out>/runs/<name>, then the study's evaluation of its final
-policy; a trained and evaluated run is skipped, so an interrupted study continues where it
-stopped. Every run's metrics are kept in <out>/metrics/ (gzip JSON lines), from which the report
+Each run is a request to the engine's front door (quatro_nemo/engine/api.py: trained as
+recipes/train.py trains, then its final policy evaluated) in <out>/runs/<name>; a run whose kept
+metrics carry its identity is skipped, so an interrupted study continues where it stopped, and so
+does a fresh clone from the committed results (``results``, default docs/study_results/<name>;
+``publish=true`` copies each run kept here there as it finishes, to be committed;
+scripts/study_background.sh runs the pre-registered studies so). Every run's metrics are kept in
+<out>/metrics/ (gzip JSON lines, led by the run's identity), from which the report
 (<out>/report.md, report.json, PNGs) states claim by claim whether the paper's claim reproduced,
 with paired statistics. See docs/study.md.
 
