@@ -26,8 +26,9 @@ One checkpoint is a folder written by every rank in parallel (``torch_dist`` bac
 Saves and loads go through megatron's ``FullyParallelSaveStrategyWrapper`` and
 ``FullyParallelLoadStrategyWrapper`` over the data-parallel group (with context parallelism), as
 Megatron-LM's ``training/checkpointing.py`` does by default: tensors replicated over DP ranks (the
-model weights, a ``fully_reshardable`` optimizer state) are written by one rank each, spread
-evenly, and read by one rank each and exchanged (broadcast) instead of read by every rank.
+model weights) are written by one rank each, spread evenly, and read by one rank each and
+exchanged (broadcast) instead of read by every rank. A ``fully_reshardable`` optimizer state is
+loaded without the load wrapper (:func:`_load_strategy`).
 
 megatron-core 0.16.1 to 0.19.2 need small fixes on the path a machine without Transformer Engine or apex
 takes (the CPU); they live in :mod:`quatro_nemo.megatron.mcore_fixes`.
@@ -103,11 +104,21 @@ def _save_strategy():
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), _data_parallel_group())
 
 
-def _load_strategy(folder: str):
+def _load_strategy(folder: str, optimizer_format: str = ROUTINE_FORMAT):
+    """The fully-parallel load for everything but a ``fully_reshardable`` optimizer state. That
+    format's load template is every rank's whole TP x PP shard in host buffers
+    (``get_parameter_state_dp_zero(empty_data=True, return_on_all_ranks=True)``), and the
+    wrapper's exchange of host tensors goes through the device and back into a new host tensor
+    (``exchange_utils.exchange_loaded_tensors_broadcast``: ``.cuda()``, broadcast,
+    ``.to(orig_device)``), a second host copy of that state while the first is alive: each rank
+    reads the whole shard itself instead (docs/cluster.md, "Checkpoints")."""
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
-    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(folder), _data_parallel_group())
+    strategy = get_default_load_sharded_strategy(folder)
+    if optimizer_format == RESHARDABLE_FORMAT:
+        return strategy
+    return FullyParallelLoadStrategyWrapper(strategy, _data_parallel_group())
 
 
 def _start_writer_manager_deaf_to_preemption() -> None:
@@ -170,6 +181,27 @@ def save_sharded(folder: str, ddp_model, optimizer, common: Dict[str, Any],
     state["common"] = common
     dist_checkpointing.save(state, folder, sharded_strategy=_save_strategy(),
                             content_metadata=_content_metadata(ddp_model, optimizer_format))
+    _release_pinned_staging()
+
+
+def _cuda_initialized() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _release_pinned_staging() -> None:
+    """megatron copies every tensor a rank writes to host memory before writing it
+    (``FileSystemWriterAsync.preload_tensors``: ``tensor.to("cpu", non_blocking=True)``), and a
+    non-blocking copy from the GPU pins its destination (aten's ``_to_copy``: ``pin_out``) through
+    torch's caching host allocator, which keeps the blocks, each rounded up to a power of two,
+    once they are freed. Hand them back after the save, so that the staging (about the bytes this
+    rank writes) does not stay pinned through the rollouts beside the offloaded optimizer state.
+    Nothing to do without CUDA."""
+    import torch
+
+    if _cuda_initialized():
+        torch._C._host_emptyCache()
 
 
 def saved_optimizer_format(folder: str) -> Dict[str, Any]:
@@ -207,7 +239,7 @@ def load_sharded(folder: str, ddp_model, optimizer) -> Dict[str, Any]:
     optimizer_format = saved["optimizer_format"] if saved["optimizer_format"] in OPTIMIZER_FORMATS else ROUTINE_FORMAT
     state = _sharded_state_dict(ddp_model, optimizer, is_loading=True, optimizer_format=optimizer_format)
     state["common"] = None
-    loaded = dist_checkpointing.load(state, folder, sharded_strategy=_load_strategy(folder),
+    loaded = dist_checkpointing.load(state, folder, sharded_strategy=_load_strategy(folder, optimizer_format),
                                      strict="assume_ok_unexpected")
     inner_model(ddp_model).load_state_dict(loaded["model"])
     mcore_fixes.load_optimizer_state(optimizer, loaded["optimizer"])

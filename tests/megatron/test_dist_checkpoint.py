@@ -222,6 +222,26 @@ def test_the_routine_format_reloads_at_another_data_parallel_size(tmp_path):
             assert torch.equal(result["model"][name], tensor), name
 
 
+def _staging_release_rank(rank, folder):
+    from quatro_nemo.megatron import dist_checkpoint
+    from quatro_nemo.megatron.parallel import initialize_parallel
+
+    initialize_parallel(1, 1, seed=4)
+    _, ddp, optimizer = _setup()
+    seen = []
+    # Only the GPU-only part is replaced: "CUDA is in use" and torch's host-cache release.
+    dist_checkpoint._cuda_initialized = lambda: True
+    torch._C._host_emptyCache = lambda: seen.append(sorted(os.listdir(os.path.join(folder, "ckpt"))))
+    dist_checkpoint.save_sharded(os.path.join(folder, "ckpt"), ddp, optimizer, {})
+    return seen
+
+
+@pytest.mark.distributed
+def test_with_cuda_a_save_hands_its_pinned_staging_back_once_written(tmp_path):
+    (seen,) = run_ranks(1, _staging_release_rank, str(tmp_path))
+    assert len(seen) == 1 and "metadata.json" in seen[0], seen
+
+
 # --- Each rank saves and loads its share -------------------------------------------------------
 
 
