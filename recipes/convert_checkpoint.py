@@ -16,7 +16,7 @@
     # beside itself in a format any layout loads. Run at the TP and PP sizes that saved it (any
     # data-parallel size, e.g. one process per model shard); key=value overrides after -- (e.g.
     # trainer.device=cpu to convert on CPUs, over gloo):
-    torchrun --nproc-per-node 2 recipes/convert_checkpoint.py reshard --run /scratch/runs/q7b [--step 120]
+    torchrun --nproc-per-node 2 recipes/convert_checkpoint.py reshard /scratch/runs/q7b [--step 120]
 
     # HF -> megatron -> HF must give identical tensors
     python recipes/convert_checkpoint.py verify --hf checkpoints/Qwen2.5-Math-1.5B
@@ -159,7 +159,8 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--step", type=int, default=None)
     p = sub.add_parser("reshard")
-    p.add_argument("--run", required=True, help="the run directory (run.dir)")
+    # positional: torchrun's own parser would take "--run" for its --run-path
+    p.add_argument("run_dir", help="the run directory (run.dir)")
     p.add_argument("--step", type=int, default=None)
     p = sub.add_parser("verify")
     p.add_argument("--hf", required=True)
@@ -172,7 +173,7 @@ def main(argv: Sequence[str]) -> int:
         elif args.command == "run-to-hf":
             run_to_hf(args.out, train_args, args.step)
         elif args.command == "reshard":
-            written = reshard(args.run, args.step, train_args)
+            written = reshard(args.run_dir, args.step, train_args)
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"written: {written}; resume the run at its new layout")
         else:

@@ -208,15 +208,15 @@ def load_checkpoint(run_dir: str, step: int, ddp_model, optimizer, layout: Dict[
             "with megatron-core 0.16.1 such a checkpoint reloads a wrong embedding matrix after a "
             "training step (docs/cluster.md, 'Known limits'); train tied-embedding models at "
             "parallel.pipeline=1, or untie them (model.tie_embeddings=false)")
-    same_model_shards = all(saved["layout"][key] == layout[key] for key in ("tensor", "pipeline"))
-    shards = SHARDS if same_model_shards or not os.path.isdir(os.path.join(folder, RESHARDABLE_SHARDS)) \
-        else RESHARDABLE_SHARDS
+    shards, reshardable_copy = os.path.join(folder, SHARDS), os.path.join(folder, RESHARDABLE_SHARDS)
+    if any(saved["layout"][key] != layout[key] for key in ("tensor", "pipeline")) and os.path.isdir(reshardable_copy):
+        shards = reshardable_copy
     try:
-        common = dist_checkpoint.load_sharded(os.path.join(folder, shards), ddp_model, optimizer)
+        common = dist_checkpoint.load_sharded(shards, ddp_model, optimizer)
     except dist_checkpoint.ReshardRequired as exc:
         raise ValueError(
             f"{exc}: torchrun --nproc-per-node=<a multiple of {exc.saved_tensor * exc.saved_pipeline}> "
-            f"recipes/convert_checkpoint.py reshard --run {run_dir} --step {step} (docs/cluster.md, "
+            f"recipes/convert_checkpoint.py reshard {run_dir} --step {step} (docs/cluster.md, "
             f"'Checkpoints'), then start this run again") from None
     if saved["layout"] == layout:
         set_rng_state(torch.load(_rng_path(folder), weights_only=False))

@@ -39,12 +39,15 @@ import os
 import signal
 from typing import Any, Dict
 
-from quatro_nemo.megatron import mcore_fixes
+from quatro_nemo.megatron import mcore_fixes, parallel
 from quatro_nemo.megatron.training import inner_model
 
 ROUTINE_FORMAT = "dp_reshardable"
 RESHARDABLE_FORMAT = "fully_reshardable"
 OPTIMIZER_FORMATS = (ROUTINE_FORMAT, RESHARDABLE_FORMAT)
+# What the content metadata says of a non-distributed optimizer: megatron keeps its state per
+# parameter, in model space, which loads at any layout.
+MODEL_SPACE = "model_space"
 # A checkpoint written before content metadata existed: the format every save used then.
 _FORMAT_WITHOUT_METADATA = RESHARDABLE_FORMAT
 
@@ -64,14 +67,12 @@ def _is_distributed(ddp_model) -> bool:
 
 
 def _model_parallel_sizes() -> Dict[str, int]:
-    from quatro_nemo.megatron import parallel
-
     return {"tensor": parallel.tp_size(), "pipeline": parallel.pp_size()}
 
 
 def _content_metadata(ddp_model, optimizer_format: str) -> Dict[str, Any]:
     """What :func:`load_sharded` checks before it builds the state to load into."""
-    return {"optimizer_format": optimizer_format if _is_distributed(ddp_model) else "model_space",
+    return {"optimizer_format": optimizer_format if _is_distributed(ddp_model) else MODEL_SPACE,
             **_model_parallel_sizes()}
 
 
@@ -215,16 +216,19 @@ def saved_optimizer_format(folder: str) -> Dict[str, Any]:
 
 
 def _check_layout(folder: str, saved: Dict[str, Any], ddp_model) -> None:
+    if saved["optimizer_format"] != ROUTINE_FORMAT:
+        return
+    if not _is_distributed(ddp_model):
+        raise ValueError(f"{folder}: saved by the distributed optimizer in megatron's {ROUTINE_FORMAT} format; "
+                         f"resume with scale.distributed_optimizer=true")
     current = _model_parallel_sizes()
-    same_shards = (saved["tensor"], saved["pipeline"]) == (current["tensor"], current["pipeline"])
-    if saved["optimizer_format"] == ROUTINE_FORMAT and not (same_shards and _is_distributed(ddp_model)):
+    if (saved["tensor"], saved["pipeline"]) != (current["tensor"], current["pipeline"]):
         raise ReshardRequired(
             f"{folder}: the distributed optimizer's state was saved in megatron's {ROUTINE_FORMAT} format at "
             f"parallel.tensor={saved['tensor']}, parallel.pipeline={saved['pipeline']}, which reloads at any "
-            f"data-parallel size but only at those TP/PP sizes and with scale.distributed_optimizer=true; "
-            f"this run has parallel.tensor={current['tensor']}, parallel.pipeline={current['pipeline']}, "
-            f"scale.distributed_optimizer={str(_is_distributed(ddp_model)).lower()}. Rewrite it in the "
-            f"{RESHARDABLE_FORMAT} format first", saved["tensor"], saved["pipeline"])
+            f"data-parallel size but only at those TP/PP sizes; this run has parallel.tensor={current['tensor']}, "
+            f"parallel.pipeline={current['pipeline']}. Rewrite it in the {RESHARDABLE_FORMAT} format first",
+            saved["tensor"], saved["pipeline"])
 
 
 def load_sharded(folder: str, ddp_model, optimizer) -> Dict[str, Any]:
@@ -234,9 +238,9 @@ def load_sharded(folder: str, ddp_model, optimizer) -> Dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     saved = saved_optimizer_format(folder)
-    if saved["optimizer_format"] != "model_space":
-        _check_layout(folder, saved, ddp_model)
-    optimizer_format = saved["optimizer_format"] if saved["optimizer_format"] in OPTIMIZER_FORMATS else ROUTINE_FORMAT
+    _check_layout(folder, saved, ddp_model)
+    # (a non-distributed optimizer, MODEL_SPACE, ignores the format asked for)
+    optimizer_format = RESHARDABLE_FORMAT if saved["optimizer_format"] == RESHARDABLE_FORMAT else ROUTINE_FORMAT
     state = _sharded_state_dict(ddp_model, optimizer, is_loading=True, optimizer_format=optimizer_format)
     state["common"] = None
     loaded = dist_checkpointing.load(state, folder, sharded_strategy=_load_strategy(folder, optimizer_format),

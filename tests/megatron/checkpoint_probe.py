@@ -49,6 +49,8 @@ from typing import Dict, List
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from tests.engine.memory_probe import memory_kb, reset_peak  # noqa: E402
+
 WORLD_SIZE = 2   # data parallel 2
 STRATEGIES = ("today", "routine", "reshardable")
 # ~6.6 M parameters (~79 MB of optimizer state) for the test; ~41 M (~490 MB) for the benchmark.
@@ -60,21 +62,6 @@ SIZES = {
                   num_query_groups=2, ffn_hidden_size=1536, max_position_embeddings=64, tie_embeddings=False,
                   params_dtype="float32"),
 }
-
-
-def memory_kb(field: str) -> int:
-    """A ``/proc/self/status`` field in kB (VmRSS: resident now; VmHWM: peak resident)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_peak() -> None:
-    """Reset VmHWM to the current VmRSS (proc(5), /proc/pid/clear_refs, value 5)."""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
 
 
 def bytes_read() -> int:
