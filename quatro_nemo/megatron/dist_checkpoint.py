@@ -93,9 +93,7 @@ def _sharded_state_dict(ddp_model, optimizer, is_loading: bool, optimizer_format
 def _data_parallel_group():
     """The group the fully-parallel wrappers spread the work over: the ranks that hold the same
     model shard (Megatron-LM's ``get_data_parallel_group(with_context_parallel=True)``)."""
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return parallel.dp_group(with_context_parallel=True)
 
 
 def _save_strategy():
