@@ -1,9 +1,10 @@
 """Work-arounds for megatron-core bugs on the optimizer paths this project uses.
 
-Each applies only to the megatron-core releases from the first to the last of
+Fixes 1-3 apply only to the megatron-core releases from the first to the last of
 :data:`AFFECTED_VERSIONS` and only on the ``torch.optim.AdamW`` fallback megatron takes without Transformer Engine or apex
 (``USING_PYTORCH_OPTIMIZER``: the CPU machines; GPU clusters with TE use FusedAdam, which keeps
-'step' per parameter group and is not affected). Each is covered by a test that fails without it
+'step' per parameter group and is not affected); fix 4 always (a no-op where it is not needed).
+Each is covered by a test that fails without it, on both releases
 (``tests/megatron/test_dist_checkpoint.py``).
 
 1. Saving or loading before the first step: the distributed optimizer's ``state_dict()`` reads
@@ -24,8 +25,6 @@ Each applies only to the megatron-core releases from the first to the last of
 3. One 'step' tensor for all parameters: loading gives every parameter state the *same* 'step'
    tensor object, which torch AdamW then increments once per parameter on the next step (wrong
    bias correction after a resume). Fix: give each parameter its own copy after loading.
-
-One more applies on every device and optimizer, to float32 models:
 
 4. A ``dp_reshardable`` load fails with "a view of a leaf Variable that requires grad is being
    used in an in-place operation": ``load_parameter_state_from_dp_reshardable`` lacks the
