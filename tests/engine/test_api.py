@@ -106,3 +106,19 @@ def test_an_evaluation_request_names_a_bad_key(fields, key):
     values.update(fields)
     with pytest.raises(ConfigError, match=key):
         EvalRequest(**values)
+
+
+def test_run_trains_until_the_requested_steps_and_extends_a_shorter_run(tmp_path, base, monkeypatch):
+    """recipes/train.py goes through ``run``: re-running a finished 2-step run with
+    ``trainer.steps=3`` must train (resume and extend), re-running it with 2 must not."""
+    from quatro_nemo.engine import api
+
+    trained = []
+    monkeypatch.setattr(api, "train", lambda config: trained.append(config.trainer.steps))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "report.json").write_text(json.dumps({"steps": 2}))   # a finished 2-step training
+    for steps in (2, 3):
+        api.run(RunRequest(configured(base, {"run.dir": str(run_dir), "trainer.steps": steps})))
+    assert trained == [3]
+    assert api.RunDir(str(tmp_path / "empty")).is_trained() is False
