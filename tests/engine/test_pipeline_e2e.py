@@ -123,14 +123,16 @@ def test_each_steps_data_is_a_resample_from_the_checkpoint_of_step_s_minus_k(sta
 
 def test_a_run_resumed_with_rollouts_in_flight_is_the_uninterrupted_run(stale_run, tmp_path):
     """The uninterrupted run's directory as a run stopped after step 2 leaves it (its later
-    checkpoints and records removed: the logger drops records after the checkpoint it resumes
-    from); the same command resumes and writes the same records. Resuming with another staleness
+    checkpoints, records and final report removed: the logger drops records after the checkpoint
+    it resumes from); the same command resumes and writes the same records. Resuming with another staleness
     is refused, naming the key."""
     args, run_dir = stale_run
     resumed_dir = str(tmp_path / "resumed")
     shutil.copytree(run_dir, resumed_dir)
     for step in range(3, STEPS + 1):
         shutil.rmtree(os.path.join(resumed_dir, "checkpoints", f"step_{step:06d}"))
+    for name in ("report.json", "report.md"):   # written when a training finishes
+        os.remove(os.path.join(resumed_dir, name))
     args = [a if not a.startswith("run.dir=") else f"run.dir={resumed_dir}" for a in args]
     code, output = finish(run_train(args))
     assert code == 0, output
