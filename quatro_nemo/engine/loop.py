@@ -29,7 +29,7 @@ import random
 import socket
 import sys
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -43,7 +43,8 @@ from quatro_nemo.engine import checkpoint as ckpt
 from quatro_nemo.engine.checkpoint import TrainState
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy, training_eval_settings
-from quatro_nemo.engine.logging import MetricsLogger
+from quatro_nemo.engine.logging import PHASES_KIND, MetricsLogger
+from quatro_nemo.engine.memory_phases import PhasePeaks
 from quatro_nemo.engine.report import heldout_table, write_report
 from quatro_nemo.engine.rollout import RolloutBackend, model_inputs
 from quatro_nemo.engine.rollout_backends import build_rollout_backend, hand_over_training_state
@@ -208,9 +209,9 @@ class Run:
     """Everything a training step reads, built once by :func:`build_run`: the config, the algorithm
     (``spec``) and its state between steps, the policy, megatron's DDP around it and optimizer, the
     frozen reference (None without a KL term), the rollout backend, the micro-batching, this DP
-    rank's prompt ``slots`` in each step's global batch, and the loop's position ``state`` (what a
-    checkpoint saves). ``task``, ``logger`` and ``layout`` are None where only the update runs
-    (``benchmarks/bench_step.py``, tests)."""
+    rank's prompt ``slots`` in each step's global batch, the loop's position ``state`` (what a
+    checkpoint saves) and the phases' seconds and memory peaks (``phases``). ``task``, ``logger``
+    and ``layout`` are None where only the update runs (``benchmarks/bench_step.py``, tests)."""
 
     cfg: ExperimentConfig
     spec: AlgorithmSpec
@@ -226,6 +227,7 @@ class Run:
     task: Optional[Task] = None
     logger: Optional[MetricsLogger] = None
     layout: Any = None
+    phases: PhasePeaks = field(default_factory=PhasePeaks)
 
 
 def build_run(cfg: ExperimentConfig) -> Run:
@@ -235,6 +237,7 @@ def build_run(cfg: ExperimentConfig) -> Run:
     select_device(cfg.trainer.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     layout = parallel.initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.run.seed)
+    phases = PhasePeaks()  # the start-up phase from here (on the rank's device, now chosen)
     spec = get_algorithm(cfg.algorithm_name)
     mini_batch_prompts = cfg.trainer.mini_batch_prompts or cfg.trainer.prompts_per_step
     check_mini_batches(cfg.trainer.prompts_per_step, cfg.trainer.mini_batch_prompts, layout.data_parallel)
@@ -262,9 +265,11 @@ def build_run(cfg: ExperimentConfig) -> Run:
     # Resume (any parallel layout: the checkpoint is sharded by megatron's dist_checkpointing).
     algorithm_state = spec.make_state(cfg.algorithm)
     state, resume_from = TrainState(), ckpt.latest_step(cfg.run.dir) if cfg.run.resume else None
+    phases.end("startup")
     if resume_from is not None:
-        state = TrainState.from_common(ckpt.load_checkpoint(cfg.run.dir, resume_from, policy_ddp, optimizer,
-                                                            ckpt.layout_signature(layout)))
+        with phases.phase("resume"):  # the checkpoint's load, on top of the training state
+            state = TrainState.from_common(ckpt.load_checkpoint(cfg.run.dir, resume_from, policy_ddp, optimizer,
+                                                                ckpt.layout_signature(layout)))
         algorithm_state.load_state_dict(state.algorithm_state)
     logger = MetricsLogger(cfg.run.dir, enabled=layout.rank == 0, resumed_step=resume_from,
                            tensorboard=cfg.logging.tensorboard,
@@ -274,7 +279,7 @@ def build_run(cfg: ExperimentConfig) -> Run:
                                layout.data_parallel)
     return Run(cfg=cfg, spec=spec, algorithm_state=algorithm_state, policy=policy, policy_ddp=policy_ddp,
                optimizer=optimizer, reference=reference, backend=backend, batching=step_micro_batching(cfg),
-               slots=slots, state=state, task=task, logger=logger, layout=layout)
+               slots=slots, state=state, task=task, logger=logger, layout=layout, phases=phases)
 
 
 def train_step(run: Run, step: int) -> Dict[str, float]:
@@ -282,7 +287,7 @@ def train_step(run: Run, step: int) -> Dict[str, float]:
     for it; advances ``run.state``. Returns the step's metrics (identical on every rank)."""
     timer, cfg, task = Timer(), run.algorithm_state.config_for_step(run.cfg), run.task
     n, batch_size = cfg.rollout.n, cfg.trainer.prompts_per_step
-    with timer.phase("rollout"):
+    with timer.phase("rollout"), run.phases.phase("rollout"):
         # 1-2. This DP rank's prompts; N responses each from pi_old (sampling noise keyed by global
         #      slot, so every layout draws the same responses).
         indices = step_prompt_indices(step, batch_size, len(task.train_problems), cfg.run.seed)
@@ -298,7 +303,8 @@ def train_step(run: Run, step: int) -> Dict[str, float]:
         rewards, groups = shape_rewards(run.spec, cfg.algorithm, rollout, local_rewards, batch_size,
                                         cfg.trainer.mini_batch_prompts or batch_size, cfg.rollout.max_new_tokens)
     # 4-6. Advantages, log pi_old / log pi_ref (phase "logprobs"), K inner loops ("update").
-    learned = learn_from_rollout(run, cfg, rollout, groups, timer)
+    with run.phases.phase("train"):
+        learned = learn_from_rollout(run, cfg, rollout, groups, timer)
     run.algorithm_state.observe(StepMeasurements(rewards, learned.policy_shift))
     run.state = TrainState(next_step=step + 1, optimizer_steps=run.state.optimizer_steps + len(learned.metrics),
                            algorithm_state=run.algorithm_state.state_dict())
@@ -336,8 +342,10 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
             evaluate(run, step + 1)   # before the checkpoint: a resumed run never redoes a logged record
         preempted = preemption.any_rank_signalled()
         if done or preempted or (trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0):
-            ckpt.save_checkpoint(cfg.run.dir, step + 1, run.policy_ddp, run.optimizer, run.state.to_common(),
-                                 ckpt.layout_signature(run.layout), keep=trainer.keep_checkpoints)
+            with run.phases.phase("save"):
+                ckpt.save_checkpoint(cfg.run.dir, step + 1, run.policy_ddp, run.optimizer, run.state.to_common(),
+                                     ckpt.layout_signature(run.layout), keep=trainer.keep_checkpoints)
+        run.logger.log(step + 1, run.phases.pop(), kind=PHASES_KIND)  # engine/memory_phases.py
         if preempted and not done:
             run.logger.close()
             raise Preempted(f"{preemption.signal_name or 'signal on another rank'} at step {step + 1}")
@@ -350,7 +358,9 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
 def evaluate(run: Run, step: int) -> Dict[str, Any]:
     """Held-out evaluation of the current policy (collective), logged and its samples saved."""
     heldout = run.task.heldout_problems[:run.cfg.eval.num_problems]
-    eval_metrics, rows = evaluate_policy(run.policy, run.backend, run.task, heldout, training_eval_settings(run.cfg))
+    with run.phases.phase("eval"):
+        eval_metrics, rows = evaluate_policy(run.policy, run.backend, run.task, heldout,
+                                             training_eval_settings(run.cfg))
     if run.layout.rank == 0:   # the samples recipes/evaluate.py and the run report read
         os.makedirs(os.path.join(run.cfg.run.dir, "eval"), exist_ok=True)
         write_samples(os.path.join(run.cfg.run.dir, "eval", f"samples_step{step:06d}.jsonl"), rows)
@@ -376,8 +386,9 @@ def _finish(run: Run) -> Dict[str, Any]:
 class RolloutLearning:
     """What :func:`learn_from_rollout` returns: the estimator's output (``advantages`` [B, N] and
     its metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], the engine
-    gap metrics (vLLM), and, when the algorithm's state needs it, the updated policy's global
-    trajectory log-ratios ``log pi_theta(o_i) / pi_old(o_i)`` [B, N] (else None)."""
+    gap metrics (where the rollout has the engine's log-probs), and, when the algorithm's state
+    needs it, the updated policy's global trajectory log-ratios ``log pi_theta(o_i) / pi_old(o_i)``
+    [B, N] (else None)."""
 
     advantages: Any
     metrics: List[Dict[str, float]]

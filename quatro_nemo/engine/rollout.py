@@ -33,12 +33,15 @@ class RolloutBatch:
     """A grouped rollout of ``num_prompts * num_samples`` rows (this rank's prompts).
 
     ``sample`` holds the token tensors of ``docs/interfaces.md`` (``tokens``, ``response_mask``,
-    the sampler's ``logprobs``, lengths, ``finished``). ``engine_logprobs`` [S, L-1]: where the
-    sampling engine is not the trained model itself (vLLM), its log pi(token) of each sampled
-    token at temperature 1, aligned like ``response_mask``: what the trainer's recomputed log-probs
-    are compared with (:func:`quatro_nemo.engine.loop.engine_gap_metrics`); None otherwise.
-    ``timings``: seconds the backend spent around sampling, by metric name (the vLLM backend's
-    ``time/offload`` / ``time/reload`` of the training state), logged with the step's metrics.
+    the sampler's ``logprobs``, lengths, ``finished``). ``engine_logprobs`` [S, L-1]: the sampling
+    engine's log pi(token) of each sampled token at temperature 1, aligned like ``response_mask``:
+    what the trainer's recomputed log-probs are compared with
+    (:func:`quatro_nemo.engine.loop.engine_gap_metrics`): vLLM's raw log-probs, or the megatron
+    sampler's own when it samples at temperature 1 (its KV-cache forward against the training
+    forward); None where the sampler's log-probs are of another temperature.
+    ``timings``: what the backend measured around sampling, by metric name (the vLLM backend's
+    ``time/offload`` / ``time/reload`` of the training state, and with ``vllm.check_push`` the
+    push check's ``engine_push/*``), logged with the step's metrics.
     """
 
     sample: SampleOutput
@@ -119,7 +122,10 @@ class MegatronRolloutBackend:
             self.model, rows, params, stop_token_ids=self.stop_token_ids, pad_id=self.pad_id,
             sequence_ids=global_sequence_ids(first_prompt_index, len(prompts), num_samples, prompt_indices),
         )
-        return RolloutBatch(sample=sample, num_prompts=len(prompts), num_samples=num_samples)
+        # The sampler's log-probs are under softmax(logits / temperature): log pi at temperature 1 only.
+        engine_logprobs = sample.logprobs if params.temperature == 1.0 else None
+        return RolloutBatch(sample=sample, num_prompts=len(prompts), num_samples=num_samples,
+                            engine_logprobs=engine_logprobs)
 
     def update_weights(self) -> None:
         """Nothing to do: the backend samples from the parameters being trained."""
