@@ -18,11 +18,11 @@ parallel 1, then measures, in this order:
   ``wake_weights_s`` (``wake_up(tags=["weights"])``);
 - ``push_s``: a random full state (the HF Qwen2 names and shapes of ``transformers``'
   ``Qwen2ForCausalLM`` on the meta device) streamed through vLLM's in-place ``reload_weights``, as
-  the backend pushes (:func:`~quatro_nemo.engine.vllm_backend.engine_weights`), and the weight-load
-  warnings vLLM logged meanwhile;
+  the backend pushes (:func:`~quatro_nemo.engine.vllm_backend.engine_weights`), and what vLLM logged
+  meanwhile (``push_log``: scripts/gpu_check_report.py looks for its weight-load warnings there);
 - ``wake_kv_s`` (``wake_up(tags=["kv_cache"])``);
 - ``decode``: per number of sequences, ``--new-tokens`` sampled tokens each (``ignore_eos``) after
-  64-token prompts: seconds and generated tokens/s.
+  64-token prompts (shorter where the model's context needs it): seconds and generated tokens/s.
 
 ``--emulate-gpu-gb G`` scales ``vllm.gpu_memory_utilization`` by ``G / this GPU's GB`` (an H100's
 share on an H200). Writes the figures to ``--json-file`` (also with ``"error"`` when a stage
@@ -46,16 +46,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROMPT_TOKENS = 64
 SLEEP_LINE = re.compile(r"Sleep mode freed ([\d.]+) GiB memory, ([\d.]+) GiB memory is still in use")
-# vLLM's in-place reload (vllm/model_executor/model_loader/reload/{layerwise,inplace}.py, 0.32.0)
-WEIGHT_LOAD_WARNINGS = ("Failed to load weights", "were not loaded")
 
 
 class CapturedLog(logging.Handler):
-    """Every message of the ``vllm`` loggers (the engine runs in this process)."""
+    """Every message of the ``vllm`` loggers (the engine runs in this process) from :meth:`mark` on.
+    vLLM configures its ``vllm`` logger again while it builds an engine (``logging.config``
+    replaces its handlers), so each mark attaches this handler anew."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.messages: List[str] = []
+
+    def mark(self) -> int:
+        """Capture from now on; the position of the next message."""
+        vllm_logger = logging.getLogger("vllm")
+        if self not in vllm_logger.handlers:
+            vllm_logger.addHandler(self)
+        return len(self.messages)
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
@@ -105,7 +112,6 @@ def probe(args, overrides: List[str], figures: Dict[str, Any]) -> None:
     parallel.initialize_parallel(1, 1, seed=cfg.run.seed)
     vllm = require_vllm()
     log = CapturedLog()
-    logging.getLogger("vllm").addHandler(log)
     sleep_mode = cfg.vllm.sleep_between_phases and current_platform.is_sleep_mode_available()
     engine = dataclasses.replace(cfg.vllm, gpu_memory_utilization=emulated_utilization(
         cfg.vllm.gpu_memory_utilization, args.emulate_gpu_gb))
@@ -122,7 +128,7 @@ def probe(args, overrides: List[str], figures: Dict[str, Any]) -> None:
         figures["construction_s"] = time.perf_counter() - start
         print(f"[gpu_check] engine: built in {figures['construction_s']:.1f} s", flush=True)
         if sleep_mode:
-            mark, start = len(log.messages), time.perf_counter()
+            mark, start = log.mark(), time.perf_counter()
             llm.sleep(level=2)
             figures["sleep_s"] = time.perf_counter() - start
             found = [SLEEP_LINE.search(m) for m in log.since(mark)]
@@ -132,12 +138,12 @@ def probe(args, overrides: List[str], figures: Dict[str, Any]) -> None:
             start = time.perf_counter()
             llm.wake_up(tags=["weights"])
             figures["wake_weights_s"] = time.perf_counter() - start
-        mark, start = len(log.messages), time.perf_counter()
+        mark, start = log.mark(), time.perf_counter()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         weights = engine_weights(random_hf_state(model, device, model.torch_dtype), tied=False)
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         figures["push_s"] = time.perf_counter() - start
-        figures["weight_load_warnings"] = [m for m in log.since(mark) if any(w in m for w in WEIGHT_LOAD_WARNINGS)]
+        figures["push_log"] = log.since(mark)
         if sleep_mode:
             start = time.perf_counter()
             llm.wake_up(tags=["kv_cache"])
@@ -148,8 +154,9 @@ def probe(args, overrides: List[str], figures: Dict[str, Any]) -> None:
                  ", no sleep mode on this platform"), flush=True)
         figures["decode"] = {}
         generator = torch.Generator().manual_seed(0)
+        prompt_tokens = max(1, min(PROMPT_TOKENS, model.max_position_embeddings - args.new_tokens))
         for count in args.sequences:
-            prompts = [{"prompt_token_ids": torch.randint(0, model.vocab_size, (PROMPT_TOKENS,),
+            prompts = [{"prompt_token_ids": torch.randint(0, model.vocab_size, (prompt_tokens,),
                                                           generator=generator).tolist()} for _ in range(count)]
             params = VllmSamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True, seed=count,
                                         detokenize=False)

@@ -33,12 +33,17 @@ VOCAB, LENGTH = 256, 24
 LOGITS_TOLERANCE = {"cuda": 1e-2, "cpu": 1e-4}
 
 
-def tiny_qwen2(transformers, torch):
+def tiny_qwen2(tie: bool, vocab_size: int, hidden_size: int, intermediate_size: int, seed: int = 0):
+    """A random float32 ``transformers`` Qwen2ForCausalLM: 2 layers, GQA (4 heads, 2 KV heads), QKV
+    bias (also tests/conversion/test_hf_qwen2.py's)."""
+    import torch
+    import transformers
+
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False, initializer_range=0.2, attn_implementation="eager")
-    torch.manual_seed(0)
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_theta=10000.0, tie_word_embeddings=tie, initializer_range=0.2, attn_implementation="eager")
+    torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(config).eval()
     with torch.no_grad():  # non-trivial norms and biases (HF initialises them to 1 and 0)
         for name, param in model.named_parameters():
@@ -49,7 +54,6 @@ def tiny_qwen2(transformers, torch):
 
 def round_trip(figures: Dict[str, Any]) -> None:
     import torch
-    import transformers
 
     from quatro_nemo.megatron import parallel
     from quatro_nemo.megatron.checkpoint import load_full_state_dict
@@ -61,7 +65,7 @@ def round_trip(figures: Dict[str, Any]) -> None:
 
     parallel.initialize_parallel(1, 1, seed=0)
     device = current_device()
-    reference = tiny_qwen2(transformers, torch)
+    reference = tiny_qwen2(tie=False, vocab_size=VOCAB, hidden_size=128, intermediate_size=256)
     tokens = torch.randint(0, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(1))
     with tempfile.TemporaryDirectory(prefix="gpu-check-hf-") as folder:
         reference.save_pretrained(os.path.join(folder, "hf"))

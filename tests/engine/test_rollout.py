@@ -42,7 +42,9 @@ def _rollouts(rank, out_dir):
     second_half = backend.generate(prompts[2:], 3, params, first_prompt_index=2)
     rows = [p for p in prompts for _ in range(3)]
     direct = generate(model, rows, params, stop_token_ids=[2], pad_id=0, sequence_ids=list(range(12)))
-    torch.save(dict(whole=whole, second_half=second_half, direct=direct, prompts=prompts), f"{out_dir}/r.pt")
+    cooler = backend.generate(prompts[:1], 2, SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=3, seed=4))
+    torch.save(dict(whole=whole, second_half=second_half, direct=direct, prompts=prompts, cooler=cooler),
+               f"{out_dir}/r.pt")
 
 
 @pytest.mark.distributed
@@ -64,3 +66,6 @@ def test_grouped_layout_and_prompt_offsets(tmp_path):
     padded = pad_to_length(half.sample, length + 3, pad_id=0)
     assert padded.tokens.shape[1] == length + 3 and padded.response_mask.shape[1] == length + 2
     assert (padded.tokens[:, length:] == 0).all()
+    # the sampler's log-probs are pi's at temperature 1 (engine_gap/* compares them with the
+    # trainer's); at another temperature they are of softmax(logits / T): no engine gap then
+    assert torch.equal(whole.engine_logprobs, whole.sample.logprobs) and r["cooler"].engine_logprobs is None
