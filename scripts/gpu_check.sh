@@ -17,12 +17,15 @@
 #   packed    Transformer Engine: the megatron backend with THD-packed token-budget micro-batches, 2 steps
 #   hf        an HF Qwen2 checkpoint loaded into this device's megatron model (TE's layer names where
 #             TE imports) against transformers' logits, and exported back (gpu_check_hf.py)
-# Each training part runs recipes/train.py config=gpu_check (conf/gpu_check.yaml) and the planner
-# (recipes/plan_memory.py) for the same config; scripts/gpu_check_report.py then asserts:
-# steps 1-3 logged and resumed; the engine gap of every step (engine_gap/token_abs_mean < 0.03,
-# seq_ratio_mean in [0.9, 1.1]; the megatron sampler's own log-probs too); for vllm, no weight-load
-# warning of vLLM's in the log and every push's layer outputs equal to megatron's weights
-# (engine_push/*_rel_err < 0.02); the engine probe and the HF round trip ran clean. It prints each
+# Each training part runs recipes/train.py config=gpu_check (conf/gpu_check.yaml; through
+# scripts/gpu_check_train.py, whose only change is a reward a random policy earns half the time, so
+# that every step takes optimizer steps) and the planner (recipes/plan_memory.py) for the same
+# config; scripts/gpu_check_report.py then asserts:
+# steps 1-3 logged, resumed, each with an optimizer step; the engine gap of every step
+# (engine_gap/token_abs_mean < 0.03, seq_ratio_mean in [0.9, 1.1]; the megatron sampler's own
+# log-probs too); for vllm, no weight-load warning of vLLM's in the log and every push's layer
+# outputs equal to megatron's weights (engine_push/*_rel_err < 0.02); the engine probe and the HF
+# round trip ran clean. It prints each
 # run phase's seconds, torch.cuda peaks and host peak (kind "phases" records of metrics.jsonl:
 # quatro_nemo/engine/memory_phases.py) next to the planner's phases, and a final
 # GPU_CHECK_RESULT {json} line. A line "[gpu_check] PART: ... took N s" follows every command.
@@ -136,7 +139,7 @@ train_part() {
     for steps in $step_counts; do
         start_memory_sampler "$check_dir/$part.steps$steps.memory"
         local rc=0
-        timed "$part" "train.py trainer.steps=$steps" "$PYTHON" recipes/train.py config=gpu_check \
+        timed "$part" "train.py trainer.steps=$steps" "$PYTHON" scripts/gpu_check_train.py config=gpu_check \
             run.dir="$check_dir/$part" trainer.steps="$steps" run.progress_bar=false logging.tensorboard=false \
             "${args[@]}" || rc=$?
         stop_memory_sampler

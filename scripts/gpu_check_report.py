@@ -10,7 +10,7 @@ every command), ``PART.skipped``, ``env.json``, ``engine.json``, ``hf.json`` and
 samples, MiB). A part passes when each of its commands exited 0 and its checks hold:
 
 - training parts: steps 1..N logged (N: the last command's ``trainer.steps``), the later command
-  resumed; every step's engine gap within :data:`ENGINE_GAP_LIMITS` (logged at least once); for
+  resumed, an optimizer step in every step with a finite gradient norm; every step's engine gap within :data:`ENGINE_GAP_LIMITS` (logged at least once); for
   ``vllm``, every push's ``engine_push/*_rel_err`` below :data:`PUSH_REL_ERR_MAX` (logged at least
   once) and no weight-load warning of vLLM (:data:`WEIGHT_LOAD_WARNING`) in its log about a layer
   with weights;
@@ -140,6 +140,16 @@ def against_plan(phases: Dict[str, Dict[str, Any]], plan: Optional[Dict[str, Any
     return out
 
 
+def check_optimizer_steps(checks, train: List[Dict[str, Any]]) -> None:
+    """Every step took an optimizer step (scripts/gpu_check_train.py's reward gives each group a
+    learning signal), with a finite gradient norm."""
+    steps = [(r.get("optimizer_steps", 0), r.get("grad_norm")) for r in train]
+    check(checks, "an optimizer step every step, finite gradient norm",
+          bool(steps) and all(n >= 1 and isinstance(g, (int, float)) and g == g and abs(g) != float("inf")
+                              for n, g in steps),
+          ", ".join(f"{n} (grad norm {g})" for n, g in steps))
+
+
 def check_engine_gap(checks, train: List[Dict[str, Any]]) -> None:
     logged = [r for r in train if "engine_gap/token_abs_mean" in r]
     check(checks, "engine gap logged", bool(logged), f"{len(logged)} of {len(train)} steps")
@@ -188,6 +198,7 @@ def training_result(check_dir: str, part: str, commands: List[Dict[str, Any]]) -
     if len(runs) > 1:
         resumed = f"| steps {runs[-2]}->{runs[-1]} |" in log   # recipes/train.py's start line
         check(checks, f"resumed at step {runs[-2]}", resumed)
+    check_optimizer_steps(checks, train)
     check_engine_gap(checks, train)
     if part == "vllm":
         check_push(checks, train, log)

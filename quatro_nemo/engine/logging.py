@@ -1,9 +1,11 @@
 """Run outputs: metrics.jsonl (the record a resumed run must reproduce), TensorBoard, optional W&B.
 
-Only rank 0 writes. Keys under ``time/`` hold wall-clock figures, and records of kind ``phases``
-each phase's seconds and memory peaks (``quatro_nemo.engine.memory_phases``); every other value is
-a function of the seed and the data, so an interrupted-and-resumed run writes the same lines as an
-uninterrupted one (``deterministic_view`` drops the timings and the phases for that comparison).
+Only rank 0 writes. Keys under ``time/`` hold wall-clock figures, keys under ``engine_push/`` the
+push check of the steps whose rollout pushed weights (``vllm.check_push``; a resumed run pushes at
+its first step), and records of kind ``phases`` each phase's seconds and memory peaks
+(``quatro_nemo.engine.memory_phases``); every other value is a function of the seed and the data,
+so an interrupted-and-resumed run writes the same lines as an uninterrupted one
+(``deterministic_view`` drops the others for that comparison).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional
 from quatro_nemo.data.schema import iter_jsonl
 
 TIME_PREFIX = "time/"
+MEASUREMENT_PREFIXES = (TIME_PREFIX, "engine_push/")   # keys whose values or presence vary between runs
 PHASES_KIND = "phases"  # a record of the run's phases (seconds, memory peaks): a measurement too
 
 
@@ -90,7 +93,7 @@ def truncate_metrics(path: str, through_step: int) -> None:
 
 
 def deterministic_view(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The records without wall-clock keys and without the phases' records (measurements of the
-    process: a resumed run also has a resume phase): what two runs of the same config must agree on."""
-    return [{k: v for k, v in r.items() if not k.startswith(TIME_PREFIX)}
+    """The records without measurement keys (:data:`MEASUREMENT_PREFIXES`) and without the phases'
+    records (a resumed run also has a resume phase): what two runs of the same config must agree on."""
+    return [{k: v for k, v in r.items() if not k.startswith(MEASUREMENT_PREFIXES)}
             for r in records if r.get("kind") != PHASES_KIND]

@@ -105,7 +105,8 @@ def _report_module():
 
 def _train_record(step, gap=1e-3, ratio=1.0, push=None):
     record = {"step": step, "kind": "train", "response_length/mean": 8.0, "time/step": 2.0, "time/rollout": 1.0,
-              "time/update": 0.5, "engine_gap/token_abs_mean": gap, "engine_gap/seq_ratio_mean": ratio}
+              "time/update": 0.5, "engine_gap/token_abs_mean": gap, "engine_gap/seq_ratio_mean": ratio,
+              "optimizer_steps": 1, "grad_norm": 0.7}
     record.update({f"engine_push/{kind}_rel_err": value for kind, value in (push or {}).items()})
     return record
 
@@ -176,7 +177,10 @@ def test_report_passes_a_clean_vllm_run_and_compares_its_phases_with_the_plan(tm
      ("WARNING [inplace.py:120] Following weights were not loaded from checkpoint: {'lm_head.weight'}",),
      "no weight-load warning of vLLM"),
     ([_train_record(s, push=GOOD_PUSH) for s in (1, 3)], (), "steps [1, 2, 3] logged"),
-], ids=["token-gap", "sequence-ratio", "push-norms", "no-push-check", "failed-to-load", "not-loaded", "lost-step"])
+    ([{**_train_record(s, push=GOOD_PUSH), "optimizer_steps": 0, "grad_norm": None} for s in (1, 2, 3)], (),
+     "an optimizer step every step, finite gradient norm"),
+], ids=["token-gap", "sequence-ratio", "push-norms", "no-push-check", "failed-to-load", "not-loaded", "lost-step",
+        "no-update"])
 def test_report_fails_a_vllm_run_that_a_wrong_engine_would_leave(tmp_path, monkeypatch, train, log_lines, failure):
     folder = _check_folder(tmp_path, "vllm", train, log_lines)
     code, failed, summary = _failed_checks(_report_module(), folder, monkeypatch)

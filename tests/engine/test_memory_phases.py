@@ -89,3 +89,13 @@ def test_on_cuda_each_phase_reads_torch_peaks_reset_at_its_start(monkeypatch):
             and "host" not in k} == {"rollout/peak_allocated_gb": 3.0, "rollout/peak_reserved_gb": 4.0,
                                      "rollout/reserved_gb": 3.5, "rollout/device_used_gb": 140.0}
     assert figures["train/peak_allocated_gb"] == 7.0 and figures["train/device_used_gb"] == 130.0
+
+
+def test_the_resume_comparison_leaves_out_the_phases_and_the_push_check():
+    from quatro_nemo.engine.logging import deterministic_view
+
+    records = [{"step": 1, "kind": "train", "loss": 0.5, "time/step": 2.0, "engine_push/qkv_rel_err": 3e-3},
+               {"step": 1, "kind": "phases", "resume/seconds": 4.0, "resume/host_peak_gb": 9.0},
+               {"step": 1, "kind": "eval", "pass@1": 0.25}]
+    assert deterministic_view(records) == [{"step": 1, "kind": "train", "loss": 0.5},
+                                           {"step": 1, "kind": "eval", "pass@1": 0.25}]
