@@ -8,8 +8,13 @@
     python recipes/plan_memory.py config=quatro_7b --measured-peak-gb=41.3   # next to a measurement
 
 Takes the same arguments as recipes/train.py (Hydra overrides and config=NAME, composed with
-Hydra's compose API; no Hydra flags). Exit code 0: the layout fits; 2: a config error or a
-layout that cannot fit (the message names the setting to change). Pure arithmetic
+Hydra's compose API; no Hydra flags). It prints every phase of the run (start-up, resume,
+rollout, training, held-out evaluation, checkpoint save: GB per GPU), the host memory of a save
+per rank and per node, and the seconds a preemption signal must leave. Exit code 0: every phase
+fits; 2: a config error or a phase that cannot fit (the message names the settings to change).
+The JSON (``--json``, ``--json-file``) holds every figure of the plan, among them ``phases``
+(``{"startup": GB, "resume": GB, "rollout": GB, "train": GB, "eval": GB, "save": GB}`` per GPU,
+1e9 bytes), ``host_save_gb_per_rank`` and ``host_save_gb_per_node``. Pure arithmetic
 (quatro_nemo/engine/memory_plan.py; the table's layout is this file's): no GPU needed; it plans for the packages of the machine it
 runs on (Transformer Engine, apex), so run it where the training runs.
 
@@ -37,17 +42,23 @@ def plan_for_arguments(argv) -> MemoryPlan:
     return memory_plan(load_config(argv))
 
 
+PHASE_LABELS = {"startup": "start-up (engine built, then asleep)", "resume": "resume (+ Adam's moments, load)",
+                "rollout": "rollout (vLLM awake)", "train": "training", "eval": "held-out evaluation",
+                "save": "checkpoint save"}
+
+
 def compare_peak(plan: MemoryPlan, measured_gb: float) -> str:
     """One line: a measured peak (``torch.cuda.max_memory_allocated()`` over a run, or the CPU's
-    resident growth) next to :attr:`peak_allocated_gb`."""
-    rollout = max(plan.rollout_phase_gb - plan.reserve_gb, 0.0)
+    resident growth) next to :attr:`peak_allocated_gb`, the largest phase without the reserve."""
+    largest = max(plan.phases, key=plan.phases.get)
     return (f"peak memory per rank: measured {measured_gb:.2f} GB, planned {plan.peak_allocated_gb:.2f} GB "
-            f"(training {plan.train_peak_allocated_gb:.2f}, rollout {rollout:.2f}, without the "
-            f"{plan.reserve_gb:g} GB reserve); measured / planned = {measured_gb / plan.peak_allocated_gb:.2f}")
+            f"(the {PHASE_LABELS[largest].split(' (')[0]} phase, without the {plan.reserve_gb:g} GB reserve); "
+            f"measured / planned = {measured_gb / plan.peak_allocated_gb:.2f}")
 
 
 def format_plan(plan: MemoryPlan) -> str:
-    """The plan as an aligned table, one term per line, then its notes."""
+    """The plan as an aligned table, one term per line, each phase, the host during a save, the
+    seconds, then its notes."""
     sharding = f"sharded over DP={plan.data_parallel}" if plan.distributed_optimizer else "not sharded"
     rows = [
         ("layout", f"TP={plan.tensor_parallel} PP={plan.pipeline_parallel} DP={plan.data_parallel} "
@@ -55,33 +66,45 @@ def format_plan(plan: MemoryPlan) -> str:
         ("parameters (total / per GPU)", f"{plan.total_parameters / 1e9:.3f} B / {plan.parameters_per_gpu / 1e9:.3f} B"),
         ("weights", f"{plan.weights_gb:7.2f} GB"),
         ("gradient buffer (float32, DDP)", f"{plan.grads_gb:7.2f} GB"),
-        ("optimizer (main params + Adam)", f"{plan.optimizer_gb:7.2f} GB ({sharding})"),
+        ("optimizer (main params + Adam)", f"{plan.optimizer_gb:7.2f} GB ({sharding}; Adam's moments "
+                                           f"{plan.adam_moments_gb:.2f})"),
         ("activations (in flight)", f"{plan.activations_gb:7.2f} GB"),
         ("logits + loss (last stage)", f"{plan.logits_gb:7.2f} GB"),
+        ("log-prob forward (pi_old, pi_ref, eval)", f"{plan.logprob_forward_gb:7.2f} GB"),
         ("optimizer-step temporaries", f"{plan.optimizer_step_transient_gb:7.2f} GB (not with activations)"),
+        ("checkpoint load transient", f"{plan.load_transient_gb:7.2f} GB"),
         ("reference policy weights", f"{plan.reference_gb:7.2f} GB"),
-        ("vLLM while training", f"{plan.vllm_while_training_gb:7.2f} GB"),
+        ("vLLM while training (asleep)", f"{plan.vllm_while_training_gb:7.2f} GB"),
         ("= training peak of tensors", f"{plan.train_peak_allocated_gb:7.2f} GB"),
         ("reserve (context, NCCL, fragmentation)", f"{plan.reserve_gb:7.2f} GB"),
-        ("= training phase", f"{plan.train_phase_gb:7.2f} GB of {plan.gpu_memory_gb:.0f} GB"),
     ]
     if plan.uses_vllm:
         rows += [
             ("training state kept during rollout", f"{plan.resident_during_rollout_gb:7.2f} GB"),
             ("weight push to vLLM (transient)", f"{plan.weight_push_gb:7.2f} GB"),
-            ("vLLM (weights + KV cache + activations)", f"{plan.vllm_gb:7.2f} GB"),
-            ("= rollout phase", f"{plan.rollout_phase_gb:7.2f} GB of {plan.gpu_memory_gb:.0f} GB"),
+            ("vLLM (weights + KV cache + activations)", f"{plan.vllm_gb:7.2f} GB (of the device's "
+                                                        f"{plan.device_total_gb:.1f} GB)"),
             ("KV cache per engine", f"{plan.kv_cache_gb:7.2f} GB ({plan.kv_bytes_per_token / 1e3:.1f} kB/token)"),
             ("rollout token budget per engine", f"{plan.rollout_token_budget:,} tokens = "
-                                                f"{plan.max_concurrent_sequences} full-length sequences"),
+                                                f"{plan.max_concurrent_sequences} full-length sequences at once"),
             ("rollout sequences per engine", f"{plan.sequences_per_engine} in {plan.rollout_waves} wave(s)"),
+            ("vllm.max_num_seqs", f"{plan.max_num_seqs} (planner: {plan.proposed_max_num_seqs})"),
         ]
+    rows += [(f"= {PHASE_LABELS[name]}", f"{needed:7.2f} GB of {plan.gpu_memory_gb:.0f} GB")
+             for name, needed in plan.phases.items() if needed > 0]
     rows += [
+        ("checkpoint written per rank", f"{plan.checkpoint_written_gb_per_rank:7.2f} GB"),
+        ("host per rank during a save", f"{plan.host_save_gb_per_rank:7.2f} GB (optimizer kept on the host "
+                                        f"{plan.host_offload_gb_per_rank:.2f}, staging, process)"),
+        ("= host per node during a save", f"{plan.host_save_gb_per_node:7.1f} GB of {plan.host_memory_gb:.0f} GB"),
         ("micro-batches per optimizer step", f"{plan.num_microbatches} x {plan.optimizer_steps_per_rollout} "
                                              f"optimizer step(s) per rollout"),
         ("tokens per step (upper bound)", f"{plan.tokens_per_step:,}"),
         ("training compute per step", f"{plan.train_tflops_per_step:,.0f} TFLOP "
                                       f"(~{plan.estimated_train_seconds:.0f} s at the assumed MFU)"),
+        ("seconds: step / eval / save", f"~{plan.step_seconds:.0f} (rollout {plan.rollout_seconds:.0f}) / "
+                                        f"~{plan.eval_seconds:.0f} / ~{plan.save_seconds:.0f}"),
+        ("preemption lead (#SBATCH --signal)", f"~{plan.preemption_lead_seconds:.0f} s (step + eval + save)"),
     ]
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]

@@ -27,7 +27,7 @@
 # outputs equal to megatron's weights (engine_push/*_rel_err < 0.02); the engine probe and the HF
 # round trip ran clean. It prints each
 # run phase's seconds, torch.cuda peaks and host peak (kind "phases" records of metrics.jsonl:
-# quatro_nemo/engine/memory_phases.py) next to the planner's phases, and a final
+# quatro_nemo/engine/phase_peaks.py) next to the planner's phases, and a final
 # GPU_CHECK_RESULT {json} line. A line "[gpu_check] PART: ... took N s" follows every command.
 # Exit code 0 when every part that ran passed (and at least one ran).
 #
@@ -36,20 +36,20 @@
 # tests/vllm/test_gpu_check_real_engine.py run this script on the CPU).
 #
 # Dependencies: torch (with CUDA) must be installed. When megatron-core or the other pure-Python
-# dependencies (requirements/gpu_check.txt) do not import (PYTHONPATH counts: a --target folder
-# works), they are installed without an index from WHEEL_DIR (or $QUATRO_WHEELS), prepared where a
-# registry is reachable:
-#     pip download --no-deps --dest wheels/ -r requirements/gpu_check.txt
+# dependencies (requirements/gpu_check.txt, at the GPU image's versions: locks/gpu_check.txt) do not
+# import (PYTHONPATH counts: a --target folder works), they are installed hash-checked without an
+# index from WHEEL_DIR (or $QUATRO_WHEELS), prepared with Python 3.12 where a registry is reachable:
+#     pip download --no-deps --require-hashes --dest wheels/ -r requirements/locks/gpu_check.txt
 # Environment: GPU_CHECK_PARTS (default "engine vllm megatron packed hf"), GPU_CHECK_BUDGET_S
 # (seconds all parts together may take, default 540: a command still running then is stopped and
 # its part fails; a part not started is "out of time"), GPU_CHECK_DIR (default
 # runs/gpu_check-<UTC time>), GPU_CHECK_TOKEN_BUDGET (tokens per micro-batch of vllm and packed,
 # default 8192), GPU_CHECK_DECODE_SEQUENCES (default "256 512") and GPU_CHECK_DECODE_TOKENS
-# (default 256) for the engine probe, PYTHON (default: the repository's .venv, else python), OUT
+# (default 256) for the engine probe, PYTHON (default: the repository's .venv, else python3), OUT
 # (when set: the summary gpu_check.json and the parts' logs are copied there, at most 8 files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1
@@ -67,8 +67,10 @@ overrides=("$@")
 if ! "$PYTHON" -c "import megatron.core, omegaconf, hydra, scipy, safetensors" 2>/dev/null; then
     [ -n "$wheels" ] || die "megatron-core (or another requirements/gpu_check.txt package) is missing: pass a wheel directory (bash scripts/gpu_check.sh WHEEL_DIR; see this script's header)"
     [ -d "$wheels" ] || die "wheel directory '$wheels' not found"
-    say "installing requirements/gpu_check.txt from $wheels (no index)"
-    "$PYTHON" -m pip install --no-index --find-links "$wheels" -r requirements/gpu_check.txt
+    say "installing requirements/locks/gpu_check.txt from $wheels (no index)"
+    # no build isolation: antlr4-python3-runtime 4.9.3 is an sdist, built with the installed setuptools
+    "$PYTHON" -m pip install --no-index --find-links "$wheels" --no-deps --require-hashes --no-build-isolation \
+        -r requirements/locks/gpu_check.txt
 fi
 
 check_dir=${GPU_CHECK_DIR:-runs/gpu_check-$(date -u +%Y%m%dT%H%M%S)}

@@ -17,7 +17,7 @@ samples, MiB). A part passes when each of its commands exited 0 and its checks h
 - ``engine``: the probe ran every stage and vLLM logged no weight-load warning during its push;
 - ``hf``: the logits and the exported tensors matched (scripts/gpu_check_hf.py).
 
-The run phases' figures (quatro_nemo/engine/memory_phases.py) are printed next to the planner's
+The run phases' figures (quatro_nemo/engine/phase_peaks.py) are printed next to the planner's
 phases (``phases`` of the plan, GB per rank; "not planned" where the plan has none): reported, not
 asserted. Prints one ``GPU_CHECK_RESULT {json}`` line (also ``CHECK_DIR/gpu_check.json``, and
 ``$OUT/gpu_check.json`` when ``$OUT`` is set). Exit code 0 when at least one part ran and every part

@@ -10,6 +10,9 @@
 # runs/<job name>-<job id> unless run.dir=... is given; the job log is slurm/logs/<name>-<id>.out.
 # Before the time limit (--signal) the ranks checkpoint and exit 75; the job requeues itself and
 # resumes from the newest checkpoint. See docs/cluster.md.
+# --signal's lead covers a step, a held-out evaluation and a save at the 4 nodes below, with
+# room to spare (python recipes/plan_memory.py config=quatro_7b cluster.nodes=4: "preemption lead";
+# tests/engine/test_memory_plan.py checks it). Fewer nodes need more: the run prints its need at start-up.
 #SBATCH --job-name=quatro-7b
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=8
@@ -18,12 +21,14 @@
 #SBATCH --mem=0
 #SBATCH --time=48:00:00
 #SBATCH --requeue
-#SBATCH --signal=B:USR1@600
+#SBATCH --signal=B:USR1@900
 #SBATCH --open-mode=append
 #SBATCH --output=slurm/logs/%x-%j.out
 set -euo pipefail
 
-# Cluster-specific network settings, if your cluster needs them:
+# Network: Gloo (megatron's and vLLM's CPU-side groups) uses the interface that holds the first
+# node's address, and the job stops before starting any rank if that is a loopback address or
+# none (slurm/lib/common.sh). Name the cluster network's interface here to choose it yourself:
 # export NCCL_SOCKET_IFNAME=ib0 NCCL_IB_HCA=mlx5
 
 QUATRO_ROOT=${QUATRO_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}

@@ -1,8 +1,10 @@
 """The lock files of requirements/locks/ (scripts/lock.sh) agree with the requirement files they
 are compiled from: every package pinned to one version with hashes, every requirement present at
 a version its specifier (or its override) admits, the training lock a subset of the test lock,
-and the GPU image's pure-Python set at the pins the cluster environment tests on CPU. Text only:
-no installer, no network (a requirement added without re-locking fails here)."""
+the GPU image's sets (its pure-Python set, what its engine stage builds and adds, the GPU check's
+offline set) at the pins the cluster environment tests on CPU, and the image's Transformer Engine
+built for the CUDA of its torch. Text only: no installer, no network (a requirement added without
+re-locking fails here; tests/vllm/test_image_python_stack.py re-resolves the image's locks)."""
 from __future__ import annotations
 
 import hashlib
@@ -26,7 +28,12 @@ SOURCES = {
     "aligner.txt": ("aligner.txt", None),
     "image.txt": ("image.txt", "image-overrides.txt"),
     "image-aligner.txt": ("image.txt", "image-overrides.txt"),
+    "image-build.txt": ("image-build.txt", None),
+    "image-stack.txt": ("image-stack.txt", None),
+    "gpu_check.txt": ("gpu_check.txt", "gpu_check-overrides.txt"),
 }
+# The engine image's locks, all resolved at locks/cluster.txt's pins (scripts/lock.sh)
+IMAGE_LOCKS = ("image.txt", "image-build.txt", "image-stack.txt", "gpu_check.txt")
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)\s*\\?$")
 
 
@@ -98,11 +105,52 @@ def test_the_training_lock_is_the_test_lock_cut_down():
         assert test_pins.get(package, (None,))[0] == version, f"train.txt pins {package}=={version}"
 
 
-def test_the_images_python_set_is_what_the_cluster_environment_tests():
+@pytest.mark.parametrize("lock", IMAGE_LOCKS)
+def test_the_images_sets_are_what_the_cluster_environment_tests(lock):
+    """What the cluster lock has, an image lock pins alike (the image's project set has nothing else)."""
     cluster = pins("cluster.txt")
-    for package, (version, _) in pins("image.txt").items():
-        assert cluster.get(package, (None,))[0] == version, \
-            f"image.txt pins {package}=={version}, cluster.txt {cluster.get(package, ('nothing',))[0]}"
+    for package, (version, _) in pins(lock).items():
+        if lock == "image.txt" or package in cluster:
+            assert cluster.get(package, (None,))[0] == version, \
+                f"{lock} pins {package}=={version}, cluster.txt {cluster.get(package, ('nothing',))[0]}"
+
+
+def test_a_package_of_several_image_locks_has_one_version():
+    versions: Dict[str, set] = {}
+    for lock in IMAGE_LOCKS:
+        for package, (version, _) in pins(lock).items():
+            versions.setdefault(package, set()).add(f"{version} ({lock})")
+    assert not {p: v for p, v in versions.items() if len({x.split()[0] for x in v}) > 1}
+
+
+def cuda_major(version: str) -> int:
+    return int(version.split(".")[0])
+
+
+def test_the_images_transformer_engine_is_built_for_its_torchs_cuda():
+    """One Transformer Engine core library, for the CUDA major of the image's torch (torch 2.13.0
+    requires cuda-toolkit 13.0.x), as requirements/image-stack.txt's extra asks, all of one release."""
+    stack = pins("image-stack.txt")
+    cores = {name: version for name, (version, _) in stack.items() if re.fullmatch(r"transformer-engine-cu\d+", name)}
+    assert len(cores) == 1, f"image-stack.txt: Transformer Engine cores {sorted(cores)}: one CUDA only"
+    (core, te_version), = cores.items()
+    torch_cuda = cuda_major(stack["cuda-toolkit"][0])
+    assert core == f"transformer-engine-cu{torch_cuda}", \
+        f"{core} in an image whose torch has CUDA {stack['cuda-toolkit'][0]} (cuda-toolkit)"
+    (requirement,) = [r for _, r in requirement_lines(REQUIREMENTS / "image-stack.txt")
+                      if canonicalize_name(Requirement(r).name) == "transformer-engine"]
+    assert Requirement(requirement).extras == {"pytorch", f"core_cu{torch_cuda}"}, requirement
+    for part in ("transformer-engine", "transformer-engine-torch"):
+        assert stack[part][0] == te_version, f"{part}=={stack[part][0]} beside {core}=={te_version}"
+
+
+def test_the_gpu_checks_set_names_packages_and_takes_the_images_versions():
+    """requirements/gpu_check.txt has no version of its own: its lock takes the image's (one place)."""
+    for where, text in requirement_lines(REQUIREMENTS / "gpu_check.txt"):
+        assert not Requirement(text).specifier, f"{where}: {text}: the version comes from the image's locks"
+    image = {**pins("image.txt"), **pins("image-stack.txt")}
+    for package, (version, _) in pins("gpu_check.txt").items():
+        assert image[package][0] == version, f"gpu_check.txt pins {package}=={version}, the image {image[package][0]}"
 
 
 def test_the_local_cpu_torch_wheel_matches_its_locked_hash():

@@ -21,6 +21,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from quatro_nemo.algos.off_policy import SampleWeights
+
 DELTA_CONTROLLERS = ("off", "kl")
 PER_QUERY_RULES = ("off", "reward_variance")
 
@@ -30,8 +32,10 @@ PER_QUERY_RULES = ("off", "reward_variance")
 # --------------------------------------------------------------------------------------------
 
 
-def trust_region_kl(log_weights: torch.Tensor) -> torch.Tensor:
-    """``KL(softmax(l_q) || uniform_N)`` per row of ``log_weights`` [B, N] (float64 [B]).
+def trust_region_kl(log_weights: torch.Tensor, log_base: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``KL(softmax(l_q) || uniform_N)`` per row of ``log_weights`` [B, N] (float64 [B]); with
+    ``log_base`` [B, N] (a stale rollout's ``log w̄``, rows normalised: quatro-math.md Sec. 9.3,
+    9.7) the weighted ``KL(softmax(l_q + log w̄_q) || w̄_q)`` (a sample of weight 0 adds 0).
 
     The KL of the distribution over a group's N samples that reweights pi_old's uniform one by
     exp(l_i) (self-normalised): Sec. 2's ``KL(w_lambda || uniform)`` with ``l = R / lambda``,
@@ -40,18 +44,28 @@ def trust_region_kl(log_weights: torch.Tensor) -> torch.Tensor:
     KL measured on pi_old's samples (exactly delta if it reached pi*, where l_i = A_i). Bounded by
     log N; shift-invariant per row, so mass the update moved off the sampled responses is not seen.
     """
-    log_w = torch.log_softmax(log_weights.detach().to(torch.float64), dim=1)
-    return (log_w.exp() * (log_w + math.log(log_weights.shape[1]))).sum(dim=1)
+    if log_base is None:
+        log_w = torch.log_softmax(log_weights.detach().to(torch.float64), dim=1)
+        return (log_w.exp() * (log_w + math.log(log_weights.shape[1]))).sum(dim=1)
+    log_q = torch.log_softmax(log_weights.detach().to(torch.float64) + log_base, dim=1)
+    terms = log_q.exp() * (log_q - log_base)
+    return torch.where(log_q == -math.inf, torch.zeros_like(terms), terms).sum(dim=1)
 
 
-def achieved_kl_per_group(log_ratios: torch.Tensor, rewards: torch.Tensor) -> Optional[torch.Tensor]:
+def achieved_kl_per_group(log_ratios: torch.Tensor, rewards: torch.Tensor,
+                          sample_weights: Optional[SampleWeights] = None) -> Optional[torch.Tensor]:
     """:func:`trust_region_kl` of the updated policy on each group whose rewards are not all equal
     (those the trust region acts on), from trajectory log-ratios and rewards [B, N] (float64
-    [B_informative]); None when every group is constant."""
+    [B_informative]); None when every group is constant. With a stale rollout's ``sample_weights``
+    the weighted KL of quatro-math.md Sec. 9.7, over the groups that are also above the ESS floor."""
     informative = ~(rewards == rewards[:, :1]).all(dim=1)
+    if sample_weights is not None:
+        informative &= ~sample_weights.low_ess
     if not bool(informative.any()):
         return None
-    return trust_region_kl(log_ratios[informative])
+    if sample_weights is None:
+        return trust_region_kl(log_ratios[informative])
+    return trust_region_kl(log_ratios[informative], sample_weights.log_normalised[informative])
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,21 +149,21 @@ class DeltaController:
 # --------------------------------------------------------------------------------------------
 
 
-def floor_kl(rewards: torch.Tensor, lambda_min: float) -> torch.Tensor:
+def floor_kl(rewards: torch.Tensor, lambda_min: float, log_base: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The largest trust-region KL the solver can honour per group (float64 [B]):
     ``KL(softmax(z / lambda_min) || uniform)`` with ``z = (R - max R) / (max R - min R)``, the KL at
     ``solve_dual``'s floor lambda = lambda_min * range. It is below Sec. 2's
     ``KL_max = log(N / n_max)`` (the lambda -> 0 limit) and equal to it up to ~N e^(-1/lambda_min)
-    for binary rewards. 0 for constant groups."""
+    for binary rewards. 0 for constant groups. ``log_base``: the weighted KL (Sec. 9.3)."""
     r = rewards.detach().to(torch.float64)
     r_max = r.amax(dim=1, keepdim=True)
     r_range = (r_max - r.amin(dim=1, keepdim=True))
     z = (r - r_max) / torch.where(r_range > 0, r_range, torch.ones_like(r_range))
-    return trust_region_kl(z / lambda_min)
+    return trust_region_kl(z / lambda_min, log_base)
 
 
 def per_query_delta(rewards: torch.Tensor, delta: float, variance_ref: float, cap_fraction: float,
-                    lambda_min: float) -> torch.Tensor:
+                    lambda_min: float, sample_weights: Optional[SampleWeights] = None) -> torch.Tensor:
     """Per-query radius [B] (float64) from each group's reward variance (docs/quatro-math.md Sec. 7.2):
 
         delta_q = min( delta * Var_q(R) / variance_ref,  cap_fraction * KL_floor_q ),
@@ -173,9 +187,19 @@ def per_query_delta(rewards: torch.Tensor, delta: float, variance_ref: float, ca
     stays below log(N / c) whenever ``delta <= variance_ref`` (``delta p (1 - p) / variance_ref <
     1 - p <= -log p``), so the cap then only matters for continuous rewards with a crowded
     maximum. Constant groups (no information, A = 0) get delta.
+
+    With a stale rollout's ``sample_weights`` (quatro-math.md Sec. 9.3) the variance and the floor
+    KL are under the weighted measure w̄: ``Var = sum_i w̄_i (R_i - sum_j w̄_j R_j)^2``.
     """
     r = rewards.detach().to(torch.float64)
-    rule = delta * r.var(dim=1, unbiased=False) / variance_ref
-    delta_q = torch.minimum(rule, cap_fraction * floor_kl(rewards, lambda_min))
+    if sample_weights is None:
+        variance, log_base = r.var(dim=1, unbiased=False), None
+    else:
+        log_base = sample_weights.log_normalised
+        probs = log_base.exp()
+        centred = r - (probs * r).sum(dim=1, keepdim=True)
+        variance = (probs * centred.square()).sum(dim=1)
+    rule = delta * variance / variance_ref
+    delta_q = torch.minimum(rule, cap_fraction * floor_kl(rewards, lambda_min, log_base))
     constant = (rewards == rewards[:, :1]).all(dim=1)
     return torch.where(constant, torch.full_like(delta_q, delta), delta_q.clamp_min(torch.finfo(torch.float64).tiny))

@@ -29,12 +29,17 @@ The advantage is then (Eq. 15)
     A_i = R_i / lam - log mean_j exp(R_j / lam) = log(N * w_i),
 
 so ``mean_i exp(A_i) = 1`` and ``KL = sum_i w_i A_i``.
+
+With a sampler k steps behind (quatro-math.md Sec. 9.3) the samples carry importance weights and
+every ``mean_j`` above becomes ``sum_j w̄_j`` under their per-prompt normalisation w̄ (``weights``):
+the same solve on another base measure (the bracket holds under any measure; binary rewards keep
+their two atoms, with the weighted frequencies).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -86,7 +91,8 @@ class DualSolution:
     lam:        [B] lambda*; lambda_min * range for inactive queries; 0 for constant groups.
     mu:         [B] mu* from Eq. 19 (lam + mu = lam * log mean exp(R / lam)); R for constant groups.
     advantages: [B, N] A = (R - (lam + mu)) / lam (Eq. 15); 0 for constant groups.
-    kl:         [B] KL(softmax(R / lam) || uniform) achieved (= delta when the constraint binds).
+    kl:         [B] KL(softmax(R / lam) || uniform) achieved (= delta when the constraint binds);
+                with weights KL(softmax(R / lam + log w̄) || w̄).
     constant:   [B] bool, all N rewards equal (no information, A = 0).
     inactive:   [B] bool, the constraint cannot bind above the floor: lambda clamped.
     iterations: passes over the rewards, float32 + float64 phases (the slowest query's).
@@ -150,14 +156,18 @@ def _every_row_two_valued(z: torch.Tensor) -> bool:
     return True
 
 
-def _reward_distribution(z: torch.Tensor) -> _RewardDistribution:
+def _reward_distribution(z: torch.Tensor, weights: Optional[torch.Tensor] = None) -> _RewardDistribution:
     """Two atoms {-1, 0} when every row is two-valued (binary verifier rewards; K = 2 makes the
-    solve O(B)), else the N samples."""
+    solve O(B)), else the N samples; each sample's probability 1/N, or its normalised weight
+    ``weights`` [B, N] (rows summing to 1: Sec. 9.3's base measure w̄)."""
     if _every_row_two_valued(z):
-        frac_min = z.sum(dim=1).neg_().div_(z.shape[1])  # exact counts of -1
+        if weights is None:
+            frac_min = z.sum(dim=1).neg_().div_(z.shape[1])  # exact counts of -1
+        else:
+            frac_min = (z * weights).sum(dim=1).neg_()        # the weight on the -1 atom
         atoms = torch.tensor([-1.0, 0.0], dtype=z.dtype, device=z.device).expand(z.shape[0], 2)
         return _RewardDistribution(atoms.contiguous(), torch.stack([frac_min, 1.0 - frac_min], dim=1))
-    return _RewardDistribution(z, 1.0 / z.shape[1])
+    return _RewardDistribution(z, 1.0 / z.shape[1] if weights is None else weights)
 
 
 def _power_sums(distribution: _RewardDistribution, b: torch.Tensor, count: int) -> torch.Tensor:
@@ -285,11 +295,32 @@ def _kl_at(distribution: _RewardDistribution, b: torch.Tensor, rows: torch.Tenso
     return _kl(b, sums[:, 0], sums[:, 1])[:2]
 
 
+def normalised_weights(weights: torch.Tensor, num_prompts: int, num_samples: int) -> Optional[torch.Tensor]:
+    """Sec. 9.3's per-prompt base measure ``w̄ = w / sum_j w_j`` ([B, N] float64) of non-negative
+    sample weights, or None when every row's weights are equal (the uniform measure 1/N: the
+    unweighted solve, bit for bit). ValueError for a wrong shape, a negative or non-finite weight
+    or a row without weight."""
+    if not isinstance(weights, torch.Tensor) or weights.shape != (num_prompts, num_samples):
+        shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ValueError(f"weights must be a [B={num_prompts}, N={num_samples}] tensor like the rewards, got {shape}")
+    w = weights.detach().to(torch.float64)
+    if not bool((torch.isfinite(w) & (w >= 0)).all()):
+        raise ValueError("weights must be finite and >= 0")
+    total = w.sum(dim=1, keepdim=True)
+    if not bool((total > 0).all()):
+        bad = torch.nonzero(total.squeeze(1) <= 0).flatten().tolist()
+        raise ValueError(f"weights of prompt row(s) {bad} sum to 0")
+    if bool((w == w[:, :1]).all()):
+        return None
+    return w / total
+
+
 def solve_dual(
     rewards: torch.Tensor,
     delta: Union[float, torch.Tensor],
     lambda_min: float = DEFAULT_LAMBDA_MIN,
     max_iter: int = 100,
+    weights: Optional[torch.Tensor] = None,
 ) -> DualSolution:
     """Solve ``lam*_q = argmin_{lam >= 0} f_q(lam)`` (Eq. 11) for every query q at once.
 
@@ -299,10 +330,19 @@ def solve_dual(
         lambda_min: floor on lambda relative to each group's reward range (max - min) [choice];
                     a query whose KL at the floor is still <= delta is clamped there (``inactive``).
         max_iter:   cap on the passes of each phase (typically 1-3 in float32, 1 in float64).
+        weights:    optional [B, N] non-negative sample weights (a stale sampler's importance
+                    weights pi_prox / mu, quatro-math.md Sec. 9.3): the dual's expectation is then
+                    under the per-prompt normalised weights w̄ instead of 1/N,
+                    ``f(lam) = lam delta + lam log sum_j w̄_j exp(R_j / lam)``, and
+                    ``A_i = R_i / lam - log sum_j w̄_j exp(R_j / lam)``, ``kl = KL(q || w̄)`` with
+                    ``q = softmax(R / lam + log w̄)``. None, or equal weights in every row, is the
+                    unweighted solve bit for bit.
 
     Returns a :class:`DualSolution` in float64, finite everywhere.
     """
     r_min, r_max = check_rewards(rewards)
+    if weights is not None:
+        weights = normalised_weights(weights, *rewards.shape)
     if not (isinstance(lambda_min, (int, float)) and math.isfinite(lambda_min) and lambda_min > 0):
         raise ValueError(f"lambda_min must be a finite number > 0, got {lambda_min!r}")
     num_prompts = rewards.shape[0]
@@ -320,7 +360,7 @@ def solve_dual(
     # z in [-1, 0] with max exactly 0; constant rows divide by inf so their z is exactly 0.
     z_divisor = torch.where(constant, torch.full_like(r_range, math.inf), r_range)
     z = (r.to(torch.float64) - r_max.unsqueeze(1)).div_(z_divisor.unsqueeze(1))
-    distribution = _reward_distribution(z)
+    distribution = _reward_distribution(z, weights)
     large = distribution.atoms.numel() >= FLOAT32_MIN_ATOMS
     phases = (FLOAT32_EXPANSION, FLOAT64_EXPANSION) if large else (WIDE_FLOAT64_EXPANSION,)
     first = distribution.to(phases[0].dtype)

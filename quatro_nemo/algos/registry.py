@@ -53,7 +53,8 @@ def _lookup(table: Dict[str, Any], kind: str, name: str) -> Any:
 
 
 def get_advantage_estimator(name: str) -> Callable:
-    """``estimator(rewards [B, N], config) -> AdvantageOutput(advantages [B, N], metrics)``."""
+    """``estimator(rewards [B, N], config, sample_weights=None) -> AdvantageOutput(advantages [B, N],
+    metrics)`` (``sample_weights``: a stale rollout's, ``off_policy.SampleWeights``)."""
     return _lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
 
@@ -67,7 +68,7 @@ def get_policy_loss(name: str) -> Callable:
 class AlgorithmSpec:
     """One algorithm, as the functions the engine calls (it never looks a name up again):
 
-    advantage_estimator: ``(rewards [B, N], config) -> AdvantageOutput``
+    advantage_estimator: ``(rewards [B, N], config, sample_weights=None) -> AdvantageOutput``
     policy_loss:         ``(logprobs, old_logprobs, advantages, mask, config, normalizer, ...)``
     config_cls:          the typed config (``quatro_nemo.algos.config``)
     shape_groups:        the data-side hook ``(verifier rewards [B, N], response lengths [B, N],

@@ -22,6 +22,7 @@ import torch
 
 from quatro_nemo.algos.adaptive_delta import DeltaController, achieved_kl_per_group
 from quatro_nemo.algos.lr_control import KlAdaptiveLr
+from quatro_nemo.algos.off_policy import SampleWeights
 
 # The per-step trust-region metrics logged here (and read by the study's report, study/analysis.py)
 ACHIEVED_KL = "trust_region/achieved_kl"                   # mean over the informative prompts
@@ -35,10 +36,13 @@ class StepMeasurements:
     """What the loop measured in one rollout step, global over data-parallel ranks (identical on
     every rank): the verifier's ``rewards`` [B, N] and, when the state asked for it
     (``needs_policy_shift``), the updated policy's trajectory log-ratios
-    ``log pi_theta(o_i) / pi_old(o_i)`` [B, N] on the step's responses (one more forward pass)."""
+    ``log pi_theta(o_i) / pi_old(o_i)`` [B, N] on the step's responses (one more forward pass);
+    for a stale rollout corrected with ``proximal`` its ``sample_weights`` (the achieved KL is then
+    the weighted one, docs/quatro-math.md Sec. 9.7)."""
 
     rewards: torch.Tensor
     log_ratios: Optional[torch.Tensor] = None
+    sample_weights: Optional[SampleWeights] = None
 
 
 class AlgorithmState(Protocol):
@@ -78,7 +82,7 @@ class TrustRegionLog:
 
     def observe(self, measured: StepMeasurements) -> None:
         self.achieved = (None if measured.log_ratios is None else
-                         achieved_kl_per_group(measured.log_ratios, measured.rewards))
+                         achieved_kl_per_group(measured.log_ratios, measured.rewards, measured.sample_weights))
 
     @property
     def achieved_kl(self) -> Optional[float]:

@@ -69,6 +69,20 @@ def check_vllm_layout(pipeline: int, tensor: int, vllm_tensor: int) -> None:
                           "(each vLLM engine lives inside one megatron tensor-parallel group)")
 
 
+def check_rollout_executor(executor: str, backend: str, tensor: int, pipeline: int) -> None:
+    """``rollout.pipeline.executor=process`` runs megatron's sampler on a TP=1, PP=1 copy of the
+    policy in a worker process (``quatro_nemo.engine.rollout_worker``), fed the trainer's whole
+    parameters: the trainer must hold them whole, and the vLLM engine does not run there yet."""
+    if executor != "process":
+        return
+    if backend != RolloutBackendName.megatron:
+        raise ConfigError(f"rollout.pipeline.executor=process with rollout.backend={backend}: the rollout worker "
+                          "runs megatron's sampler only (use rollout.backend=megatron, or executor=inline)")
+    if tensor != 1 or pipeline != 1:
+        raise ConfigError(f"rollout.pipeline.executor=process needs parallel.tensor=1 and parallel.pipeline=1 (got "
+                          f"{tensor} and {pipeline}): the worker is fed the trainer's whole parameters")
+
+
 def check_engine_support(cfg: "ExperimentConfig") -> None:
     """The rules above that a run config alone decides (the data-parallel size is known once the
     processes start: the loop checks the mini-batches' split then)."""
@@ -78,7 +92,8 @@ def check_engine_support(cfg: "ExperimentConfig") -> None:
     check_tensor_split(model.ffn_hidden_size, tensor)
     if cfg.rollout.backend == RolloutBackendName.vllm:
         check_vllm_layout(cfg.parallel.pipeline, tensor, cfg.vllm.tensor_parallel)
+    check_rollout_executor(cfg.rollout.pipeline.executor, cfg.rollout.backend, tensor, cfg.parallel.pipeline)
 
 
-__all__ = ["Device", "RolloutBackendName", "check_engine_support", "check_params_dtype", "check_sequence_parallel",
-           "check_tensor_split", "check_vllm_layout"]
+__all__ = ["Device", "RolloutBackendName", "check_engine_support", "check_params_dtype", "check_rollout_executor",
+           "check_sequence_parallel", "check_tensor_split", "check_vllm_layout"]

@@ -6,6 +6,8 @@ Layout under the run directory:
                                              optimizer shards, written by every rank in parallel
     checkpoints/step_000010/rng/rank_003.pt  each rank's random-number generator states
     checkpoints/step_000010/COMPLETE         step and the layout that saved it
+    checkpoints/step_000010/<name>           rank 0's further files (``save_checkpoint(files=)``):
+                                             rollouts.pt, the rollouts in flight (rollout_store)
 
 A checkpoint is written under ``step_000010.tmp`` and renamed by rank 0 once every rank has
 finished and ``COMPLETE`` is in it, so a process killed at any instant (SIGKILL included) leaves
@@ -16,7 +18,7 @@ The model and optimizer shards carry their global shapes and offsets
 (:mod:`quatro_nemo.megatron.dist_checkpoint`), so a run saved at one TP x PP x DP layout resumes at
 another. The RNG states are per rank and are restored only at the same layout; the loop's own
 randomness does not depend on them (rollout seeds are derived from (seed, step),
-``loop.derive_seed``), so a resharded resume is exact too where dropout is off.
+``step_rollout.derive_seed``), so a resharded resume is exact too where dropout is off.
 """
 from __future__ import annotations
 
@@ -130,9 +132,10 @@ def latest_step(run_dir: str) -> Optional[int]:
 
 
 def save_checkpoint(run_dir: str, step: int, ddp_model, optimizer, common: Dict[str, Any],
-                    layout: Dict[str, int], keep: int = 2) -> str:
+                    layout: Dict[str, int], keep: int = 2, files: Optional[Dict[str, Any]] = None) -> str:
     """Save model, optimizer, ``common`` (loop position; the same on every rank) and this rank's
-    RNG states for ``step``. Collective: every rank calls it. Returns the final folder."""
+    RNG states for ``step``, and rank 0's ``files`` (:func:`write_files`). Collective: every rank
+    calls it. Returns the final folder."""
     folder = checkpoint_dir(run_dir, step)
     partial = folder + ".tmp"
     if parallel.global_rank() == 0:
@@ -141,6 +144,8 @@ def save_checkpoint(run_dir: str, step: int, ddp_model, optimizer, common: Dict[
     barrier()
     dist_checkpoint.save_sharded(os.path.join(partial, SHARDS), ddp_model, optimizer, common)
     torch.save(rng_state(), _rng_path(partial))
+    if parallel.global_rank() == 0:
+        write_files(partial, files)
     barrier()
     if parallel.global_rank() == 0:
         _atomic_write_text(os.path.join(partial, COMPLETE), json.dumps(
@@ -151,6 +156,19 @@ def save_checkpoint(run_dir: str, step: int, ddp_model, optimizer, common: Dict[
             shutil.rmtree(checkpoint_dir(run_dir, old), ignore_errors=True)
     barrier()
     return folder
+
+
+def write_files(folder: str, files: Optional[Dict[str, Any]]) -> None:
+    """Each ``{name: object}`` of ``files`` as ``folder/name`` (torch.save), inside the checkpoint
+    before its COMPLETE marker: e.g. the rollouts in flight (quatro_nemo.engine.rollout_store)."""
+    for name, value in (files or {}).items():
+        torch.save(value, os.path.join(folder, name))
+
+
+def load_file(run_dir: str, step: int, name: str) -> Optional[Any]:
+    """An object :func:`write_files` saved in checkpoint ``step`` (None when it has no such file)."""
+    path = os.path.join(checkpoint_dir(run_dir, step), name)
+    return torch.load(path, weights_only=False) if os.path.exists(path) else None
 
 
 def _rng_path(folder: str) -> str:

@@ -41,15 +41,18 @@ from omegaconf.errors import OmegaConfBaseException
 from quatro_nemo.algos import ALGORITHMS, AlgorithmConfig, build_algorithm
 from quatro_nemo.algos.config import RENAMED_KEYS, migrate_renamed_keys, renamed_key_error
 from quatro_nemo.algos.importance import ImportanceCorrection
+from quatro_nemo.algos.off_policy import OffPolicyCorrection
 from quatro_nemo.algos.schema import algorithm_schema, register_algorithm_schemas
 from quatro_nemo.engine.capabilities import Device, RolloutBackendName, check_engine_support
 from quatro_nemo.engine.memory_plan import MemoryPlan, plan_run
+from quatro_nemo.engine.pipeline import PipelineConfig
 from quatro_nemo.engine.task import TASK_SCHEMAS, register_task_schemas, task_vocab_size
 from quatro_nemo.eval.similarity import SIMILARITY_METRICS
 from quatro_nemo.megatron.models import ModelConfig
 from quatro_nemo.tasks.countdown.warmstart import WarmStartConfig
 from quatro_nemo.validation import (ConfigError, check_at_least, check_in_unit_interval, check_mini_batches,
-                                    check_number, check_positive, check_token_budget, choices, coerce_choices)
+                                    check_number, check_positive, check_token_budget, choice_values, choices,
+                                    coerce_choices)
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 PRIMARY_KEY = "config"          # config=NAME on the command line: the primary config conf/NAME.yaml
@@ -72,7 +75,7 @@ class RunConfig:
     dir: str = "runs/cpu_default"   # run directory: config, metrics, checkpoints, report
     seed: int = 1234
     resume: bool = True             # restart the same command -> continue from the last checkpoint
-    progress_bar: bool = True       # a tqdm bar on a terminal (never in files or under SLURM logs)
+    progress_bar: bool = True       # a tqdm bar on a terminal; else a line per logged step (engine/progress.py)
 
 
 @dataclass
@@ -120,6 +123,39 @@ class TrainerConfig:
             check_number(f"trainer.{key}", getattr(self, key), non_negative=True)
 
 
+# rollout.importance_correction: one of ImportanceCorrection's modes, or auto (resolve_importance_correction)
+ImportanceCorrectionSetting = choices("ImportanceCorrectionSetting", ("auto", *choice_values(ImportanceCorrection)),
+                                      __name__)
+
+
+def resolve_importance_correction(setting: str, backend: str, params_dtype: str) -> ImportanceCorrection:
+    """``rollout.importance_correction``: ``auto`` -> token-level truncated importance sampling
+    where the engine and the trainer compute the log-probs with different kernels at a precision
+    where that shows, none where they agree; any other setting as it is.
+
+    ============  ===============  ========  ==================================================
+    backend       params_dtype     auto ->   why
+    ============  ===============  ========  ==================================================
+    megatron      any              none      the trained model samples itself: the same kernels
+    vllm          float32          none      vLLM's kernels vs megatron's, in float32: a gap of
+                                             float rounding (~1e-7 nats per token on the CPU,
+                                             docs/quatro-math.md Sec. 8)
+    vllm          bfloat16         token     vLLM's bf16 kernels vs megatron/TE's: bf16 rounding
+                                             in different reduction orders, summed over
+                                             thousands of response tokens
+    ============  ===============  ========  ==================================================
+
+    The device does not enter: vLLM's kernels differ from megatron's on the CPU and on a GPU alike;
+    the precision decides whether the difference matters. ``token`` as verl's ``rollout_is`` and
+    Yao et al. 2025 ("Your efficient RL framework secretly brings you off-policy RL training")
+    weight tokens, with ``rollout.importance_cap`` (C = 2, theirs)."""
+    if setting != "auto":
+        return ImportanceCorrection(setting)
+    if backend == RolloutBackendName.vllm and params_dtype != "float32":
+        return ImportanceCorrection.token
+    return ImportanceCorrection.none
+
+
 @dataclass
 class RolloutConfig:
     backend: RolloutBackendName = RolloutBackendName.megatron
@@ -128,16 +164,25 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32        # maximum response length in tokens
-    importance_correction: ImportanceCorrection = ImportanceCorrection.none
-    """none | token | sequence: truncated importance sampling between the engine's sampling policy
-    and pi_old (vllm only; quatro_nemo.algos.importance, docs/quatro-math.md Sec. 8)."""
+    importance_correction: ImportanceCorrectionSetting = ImportanceCorrectionSetting.auto
+    """auto | none | token | sequence: truncated importance sampling between the engine's sampling
+    policy and pi_old (vllm only; quatro_nemo.algos.importance, docs/quatro-math.md Sec. 8); auto is
+    resolved at start-up (:func:`resolve_importance_correction`), the run's config.yaml saves what
+    it resolved to."""
     importance_cap: float = 2.0     # the cap C of the importance weights
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Rollouts sampled k steps ahead of training (quatro_nemo.engine.pipeline; docs/quatro-math.md Sec. 9)."""
 
     def __post_init__(self) -> None:
         coerce_choices(self, "rollout")
+        if (self.pipeline.max_staleness > 0 and self.pipeline.correction == OffPolicyCorrection.proximal
+                and self.importance_correction != "none"):
+            raise ConfigError("rollout.importance_correction and rollout.pipeline.correction=proximal both weight "
+                              "the loss by pi_prox / mu when rollout.pipeline.max_staleness > 0: set one of them "
+                              "to none (docs/quatro-math.md Sec. 9.5)")
         check_positive("rollout.max_new_tokens", self.max_new_tokens)
         check_positive("rollout.importance_cap", self.importance_cap)
-        if self.importance_correction != "none" and self.backend != "vllm":
+        if self.importance_correction not in ("auto", "none") and self.backend != "vllm":
             raise ConfigError("rollout.importance_correction needs rollout.backend=vllm (the megatron backend "
                               "samples from the trained model itself: there is no gap to correct)")
         check_positive("rollout.temperature", self.temperature)
@@ -175,14 +220,31 @@ class ClusterConfig:
 
     nodes: int = 1
     gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0      # H100 80 GB
+    gpu_memory_gb: float = 80.0      # nominal size of one GPU (H100 80 GB): every phase must fit it
+    gpu_total_mib: Optional[int] = None
+    """The GPU's own total memory as nvidia-smi prints it (MiB), which vllm.gpu_memory_utilization
+    multiplies; None: the known total of a cluster.gpu_memory_gb card
+    (quatro_nemo.engine.memory_phases.KNOWN_GPU_TOTAL_MIB: 80 -> 81,920)."""
     reserve_gb: float = 6.0          # CUDA context, NCCL buffers, allocator fragmentation
+    host_memory_gb: float = 1000.0   # host memory of one node: a checkpoint save must fit it
+    host_reserve_gb: float = 10.0    # host memory of one rank's process (libraries, CUDA context, data)
     peak_tflops: float = 989.0       # bf16 dense peak of one GPU (H100 SXM), for time estimates
     assumed_mfu: float = 0.3         # model FLOPs utilisation assumed for the time estimate
+    memory_bandwidth_tb_s: float = 3.35  # HBM bandwidth of one GPU (H100 SXM), for the decoding time
+    assumed_mbu: float = 0.5         # memory bandwidth utilisation assumed for decoding
+    checkpoint_write_gb_s: float = 1.0   # one node's write bandwidth to the run directory, for the save time
 
     def __post_init__(self) -> None:
         for key in ("nodes", "gpus_per_node"):
             check_at_least(f"cluster.{key}", getattr(self, key), 1)
+        for key in ("gpu_memory_gb", "host_memory_gb", "peak_tflops", "memory_bandwidth_tb_s",
+                    "checkpoint_write_gb_s"):
+            check_positive(f"cluster.{key}", getattr(self, key))
+        check_number("cluster.gpu_total_mib", self.gpu_total_mib, positive=True, optional=True, integer=True)
+        for key in ("reserve_gb", "host_reserve_gb"):
+            check_number(f"cluster.{key}", getattr(self, key), non_negative=True)
+        for key in ("assumed_mfu", "assumed_mbu"):
+            check_in_unit_interval(f"cluster.{key}", getattr(self, key))
 
 
 @dataclass
@@ -210,6 +272,10 @@ class VllmConfig:
     # cache from the machine's memory less the whole process's resident memory, the trainer's included.
     kv_cache_memory_gb: Optional[float] = None
     sleep_between_phases: bool = True    # vLLM sleep mode: weights/KV cache freed while training
+    # What vLLM keeps on each GPU asleep (level 2): its CUDA-graph pool, NCCL and custom
+    # all-reduce buffers, the model runner's own buffers. An estimate for the planner;
+    # scripts/gpu_check.sh reads vLLM's "Sleep mode freed X GiB, Y GiB still in use".
+    sleep_residual_gb: float = 2.0
     activation_reserve_gb: float = 2.0   # vLLM's forward activations and sampler buffers
     max_num_seqs: int = 256              # vLLM's scheduler cap on concurrent sequences
     enforce_eager: bool = False          # no CUDA graphs (debugging)
@@ -220,6 +286,9 @@ class VllmConfig:
 
     def __post_init__(self) -> None:
         check_at_least("vllm.tensor_parallel", self.tensor_parallel, 1)
+        check_at_least("vllm.max_num_seqs", self.max_num_seqs, 1)
+        for key in ("sleep_residual_gb", "activation_reserve_gb"):
+            check_number(f"vllm.{key}", getattr(self, key), non_negative=True)
         check_in_unit_interval("vllm.gpu_memory_utilization", self.gpu_memory_utilization, closed_high=False)
         if self.check_push and self.tensor_parallel != 1:
             raise ConfigError(f"vllm.check_push compares one whole engine per rank with megatron's full weights: "
@@ -340,14 +409,21 @@ def validate(cfg: DictConfig) -> ExperimentConfig:
         composed["algorithm"] = migrate_renamed_keys(composed["algorithm"])
     tree = _typed_tree(composed)
     sections = {f.name: _section_object(tree, f.name) for f in dataclasses.fields(ExperimentSections)}
+    rollout = sections["rollout"]
+    tree.rollout.importance_correction = rollout.importance_correction = ImportanceCorrectionSetting(
+        resolve_importance_correction(rollout.importance_correction, rollout.backend, sections["model"].params_dtype))
     raw = OmegaConf.create(OmegaConf.to_container(tree, enum_to_str=True))  # plain data: choices as strings
     experiment = ExperimentConfig(algorithm_name=tree.algorithm.name, raw=raw, **sections)
     check_engine_support(experiment)
-    if experiment.rollout.backend == "vllm" and experiment.trainer.device != "cpu":
-        # Cluster runs (vLLM rollouts): refuse layouts that cannot fit before any GPU is touched. A
-        # run on the CPU (vLLM's CPU build, config=cpu_vllm) is not planned against the cluster's GPUs.
+    if is_planned(experiment):   # refuse layouts that cannot fit before any GPU is touched
         memory_plan(experiment)
     return experiment
+
+
+def is_planned(c: ExperimentConfig) -> bool:
+    """Cluster runs (vLLM rollouts on GPUs) are planned (:func:`memory_plan`); a run on the CPU
+    (vLLM's CPU build, config=cpu_vllm) is not planned against the cluster's GPUs."""
+    return c.rollout.backend == "vllm" and c.trainer.device != "cpu"
 
 
 def memory_plan(c: ExperimentConfig) -> MemoryPlan:
@@ -360,6 +436,15 @@ def memory_plan(c: ExperimentConfig) -> MemoryPlan:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
     return plan_run(c)
+
+
+def memory_plan_at_world(c: ExperimentConfig, world_size: int) -> MemoryPlan:
+    """:func:`memory_plan` for the machines a run got: ``cluster.nodes`` from its world size (the
+    job's ``#SBATCH --nodes`` does not reach the config) when it is a whole number of nodes."""
+    nodes, rest = divmod(world_size, c.cluster.gpus_per_node)
+    if nodes and not rest:
+        c = dataclasses.replace(c, cluster=dataclasses.replace(c.cluster, nodes=nodes))
+    return memory_plan(c)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
     for step in steps:
         prompts      <- B prompts of the training set (a function of (seed, step): exact resume)
-        rollouts     <- N responses per prompt from pi_old                 (rollout backend)
+        rollouts     <- N responses per prompt, sampled by the weights of step max(0, step - k)
+                        (rollout pipeline and backend; k = rollout.pipeline.max_staleness, 0: pi_old)
         rewards      <- verifier(prompt, response)                         [B, N]
-        advantages   <- registry estimator(rewards)   (QUATRO: exact per-prompt dual, Eq. 11-15)
         log pi_old, log pi_ref <- Megatron forward under TP/PP
+        (a rollout sampled by older weights: importance weights pi_old / mu, quatro-math.md Sec. 9)
+        advantages   <- registry estimator(rewards)   (QUATRO: exact per-prompt dual, Eq. 11-15)
         repeat K times (inner loops; pi_old stays the rollout policy):
             for each mini-batch: Megatron forward/backward of the registry loss with GLOBAL
                                  normalisers -> megatron DDP grad reduction -> megatron
@@ -25,10 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
-import sys
-import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -40,18 +39,23 @@ from quatro_nemo.algos.importance import ImportanceCorrection, truncated_importa
 from quatro_nemo.algos.metric_reduction import reduce_over_updates
 from quatro_nemo.algos.step_state import AlgorithmState, StepMeasurements
 from quatro_nemo.engine import checkpoint as ckpt
+from quatro_nemo.engine import rollout_store
 from quatro_nemo.engine.checkpoint import TrainState
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy, training_eval_settings
 from quatro_nemo.engine.logging import PHASES_KIND, MetricsLogger
-from quatro_nemo.engine.memory_phases import PhasePeaks
+from quatro_nemo.engine.off_policy import OffPolicyStep, correct_stale_rollout
+from quatro_nemo.engine.phase_peaks import PhasePeaks
+from quatro_nemo.engine.pipeline import RolloutPipeline
+from quatro_nemo.engine.preemption_lead import preemption_report
+from quatro_nemo.engine.progress import StepProgress
 from quatro_nemo.engine.report import heldout_table, write_report
 from quatro_nemo.engine.rollout import RolloutBackend, model_inputs
 from quatro_nemo.engine.rollout_backends import build_rollout_backend, hand_over_training_state
+from quatro_nemo.engine.step_rollout import build_pipeline, step_problems
 from quatro_nemo.engine.task import build_task
 from quatro_nemo.engine.timer import Timer
 from quatro_nemo.eval.samples import write_samples
-from quatro_nemo.megatron.sampling import SamplingParams
 from quatro_nemo.megatron import parallel, training
 from quatro_nemo.megatron.compat import current_device
 from quatro_nemo.megatron.batching import MicroBatching
@@ -67,21 +71,6 @@ from quatro_nemo.validation import check_mini_batches
 # --------------------------------------------------------------------------------------------
 # Small pieces the loop reads through
 # --------------------------------------------------------------------------------------------
-
-
-def step_prompt_indices(step: int, batch_size: int, dataset_size: int, seed: int) -> List[int]:
-    """Indices of the B prompts of rollout step `step`: epochs of seeded permutations, so the data
-    position is a pure function of the step (nothing to save for exact resume)."""
-    indices: List[int] = []
-    position = step * batch_size
-    while len(indices) < batch_size:
-        epoch, offset = divmod(position, dataset_size)
-        order = list(range(dataset_size))
-        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
-        take = min(batch_size - len(indices), dataset_size - offset)
-        indices.extend(order[offset:offset + take])
-        position += take
-    return indices
 
 
 def local_prompt_slots(batch_size: int, mini_batch_size: int, dp_rank: int, dp_size: int) -> List[int]:
@@ -107,11 +96,6 @@ def global_rewards(local_rewards: torch.Tensor, batch_size: int, mini_batch_size
     return out
 
 
-def derive_seed(*parts: Any) -> int:
-    """A 31-bit seed from (run seed, purpose, step): independent noise streams, no state to save."""
-    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
-
-
 def shape_rewards(spec, algo_cfg, rollout, local_rewards: torch.Tensor, batch_size: int,
                   mini_batch_size: int, max_new_tokens: int):
     """Step 3b: (global [B, N] verifier rewards, the algorithm's data-side view of them:
@@ -122,13 +106,12 @@ def shape_rewards(spec, algo_cfg, rollout, local_rewards: torch.Tensor, batch_si
     return rewards, spec.shape_groups(rewards, lengths, max_new_tokens, algo_cfg)
 
 
-def make_batch(rollout, advantages: torch.Tensor, group_weights: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """The Megatron batch layout of docs/interfaces.md, on the run device. `group_weights` [S] are
-    1/0 per row (groups dropped by dynamic sampling leave the loss)."""
+def make_batch(rollout, group_weights: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The Megatron batch layout of docs/interfaces.md, on the run device, but the advantages.
+    `group_weights` [S] are 1/0 per row (groups dropped by dynamic sampling leave the loss)."""
     batch = model_inputs(rollout, current_device())
     batch["response_mask"] = rollout.response_mask.to(batch["tokens"].device).float() * group_weights.to(
         batch["tokens"].device).float()[:, None]
-    batch["advantages"] = advantages.to(batch["tokens"].device).float()
     return batch
 
 
@@ -211,7 +194,8 @@ class Run:
     frozen reference (None without a KL term), the rollout backend, the micro-batching, this DP
     rank's prompt ``slots`` in each step's global batch, the loop's position ``state`` (what a
     checkpoint saves) and the phases' seconds and memory peaks (``phases``). ``task``, ``logger``
-    and ``layout`` are None where only the update runs (``benchmarks/bench_step.py``, tests)."""
+    and ``layout`` are None where only the update runs (``benchmarks/bench_step.py``, tests);
+    ``rollouts``, the rollout pipeline, None there too."""
 
     cfg: ExperimentConfig
     spec: AlgorithmSpec
@@ -227,6 +211,7 @@ class Run:
     task: Optional[Task] = None
     logger: Optional[MetricsLogger] = None
     layout: Any = None
+    rollouts: Optional[RolloutPipeline] = None
     phases: PhasePeaks = field(default_factory=PhasePeaks)
 
 
@@ -277,9 +262,11 @@ def build_run(cfg: ExperimentConfig) -> Run:
                            config=OmegaConf.to_container(cfg.raw, resolve=True))
     slots = local_prompt_slots(cfg.trainer.prompts_per_step, mini_batch_prompts, layout.dp_rank,
                                layout.data_parallel)
-    return Run(cfg=cfg, spec=spec, algorithm_state=algorithm_state, policy=policy, policy_ddp=policy_ddp,
-               optimizer=optimizer, reference=reference, backend=backend, batching=step_micro_batching(cfg),
-               slots=slots, state=state, task=task, logger=logger, layout=layout, phases=phases)
+    run = Run(cfg=cfg, spec=spec, algorithm_state=algorithm_state, policy=policy, policy_ddp=policy_ddp,
+              optimizer=optimizer, reference=reference, backend=backend, batching=step_micro_batching(cfg),
+              slots=slots, state=state, task=task, logger=logger, layout=layout, phases=phases)
+    run.rollouts = build_pipeline(run, resume_from)
+    return run
 
 
 def train_step(run: Run, step: int) -> Dict[str, float]:
@@ -288,29 +275,29 @@ def train_step(run: Run, step: int) -> Dict[str, float]:
     timer, cfg, task = Timer(), run.algorithm_state.config_for_step(run.cfg), run.task
     n, batch_size = cfg.rollout.n, cfg.trainer.prompts_per_step
     with timer.phase("rollout"), run.phases.phase("rollout"):
-        # 1-2. This DP rank's prompts; N responses each from pi_old (sampling noise keyed by global
-        #      slot, so every layout draws the same responses).
-        indices = step_prompt_indices(step, batch_size, len(task.train_problems), cfg.run.seed)
-        problems = [task.train_problems[indices[s]] for s in run.slots]
-        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                max_new_tokens=cfg.rollout.max_new_tokens,
-                                seed=derive_seed(cfg.run.seed, "rollout", step))
-        rollout, responses = task.sample(run.backend, problems, run.slots, n, params)
+        # 1-2. This DP rank's prompts and N responses each, sampled by the weights of step
+        #      max(0, step - k) (rollout.pipeline.max_staleness = k; k = 0: pi_old's, sampled now).
+        run.rollouts.advance(step)
+        taken = run.rollouts.take(step, run.state.optimizer_steps)
+        rollout, problems = taken.batch, step_problems(run, step)
+        responses = task.decode(rollout)
     with timer.phase("logprobs"):
         # 3. Rewards [B_local, N] -> global [B, N] (advantage estimators may use batch statistics).
         local_rewards = torch.tensor(task.verifier.score_batch([p for p in problems for _ in range(n)], responses),
                                      dtype=torch.float64).view(len(problems), n)
         rewards, groups = shape_rewards(run.spec, cfg.algorithm, rollout, local_rewards, batch_size,
                                         cfg.trainer.mini_batch_prompts or batch_size, cfg.rollout.max_new_tokens)
-    # 4-6. Advantages, log pi_old / log pi_ref (phase "logprobs"), K inner loops ("update").
+    # 4-6. log pi_old / log pi_ref, advantages (phase "logprobs"), K inner loops ("update").
     with run.phases.phase("train"):
-        learned = learn_from_rollout(run, cfg, rollout, groups, timer)
-    run.algorithm_state.observe(StepMeasurements(rewards, learned.policy_shift))
+        learned = learn_from_rollout(run, cfg, rollout, groups, timer, stale=taken.result.version < step)
+    run.algorithm_state.observe(StepMeasurements(rewards, learned.policy_shift, learned.off_policy.sample_weights))
     run.state = TrainState(next_step=step + 1, optimizer_steps=run.state.optimizer_steps + len(learned.metrics),
                            algorithm_state=run.algorithm_state.state_dict())
     # 7. Metrics.
     metrics = _step_metrics(rewards, learned.advantages.metrics, learned.metrics, rollout, learned.old_entropy)
     metrics.update(learned.engine_gap)
+    if cfg.rollout.pipeline.overlapped:
+        metrics.update(taken.metrics, **learned.off_policy.metrics)
     metrics.update(rollout.timings)
     metrics.update(run.algorithm_state.metrics())
     metrics.update(timer.metrics())
@@ -327,32 +314,46 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
         print(f"[quatro] {cfg.algorithm_name} | world {run.layout.world_size} (tp {run.layout.tensor_parallel}, "
               f"pp {run.layout.pipeline_parallel}, dp {run.layout.data_parallel}) | steps {start_step}->"
               f"{trainer.steps} | run dir {cfg.run.dir}", flush=True)
-    preemption, progress = PreemptionFlag(), _progress_bar(cfg, rank0, start_step)
+        lead = preemption_report(cfg, run.layout.world_size)
+        if lead:
+            print(f"[quatro] {lead}", flush=True)
+    preemption, progress = PreemptionFlag(), StepProgress(cfg, rank0, start_step)
     if start_step == 0 and cfg.eval.num_problems > 0:
         evaluate(run, 0)   # the base model's held-out numbers, the report's "before" column
     for step in range(start_step, trainer.steps):
         metrics = train_step(run, step)
         done = step + 1 == trainer.steps
-        if (step + 1) % trainer.log_every == 0 or done:
+        logged = (step + 1) % trainer.log_every == 0 or done
+        if logged:
             run.logger.log(step + 1, metrics)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", step_s=f"{metrics['time/step']:.1f}")
-        if cfg.eval.num_problems > 0 and (done or trainer.eval_every and (step + 1) % trainer.eval_every == 0):
-            evaluate(run, step + 1)   # before the checkpoint: a resumed run never redoes a logged record
+        progress.step_done(step + 1, metrics, logged)
         preempted = preemption.any_rank_signalled()
+        eval_due = done or trainer.eval_every and (step + 1) % trainer.eval_every == 0
+        if cfg.eval.num_problems > 0 and eval_due and (done or not preempted):
+            # Before the checkpoint: a resumed run never redoes a logged record. A pending
+            # preemption signal skips it (this step gets no held-out record): the save comes first.
+            evaluate(run, step + 1)
+            preempted = preemption.any_rank_signalled()
         if done or preempted or (trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0):
             with run.phases.phase("save"):
                 ckpt.save_checkpoint(cfg.run.dir, step + 1, run.policy_ddp, run.optimizer, run.state.to_common(),
-                                     ckpt.layout_signature(run.layout), keep=trainer.keep_checkpoints)
-        run.logger.log(step + 1, run.phases.pop(), kind=PHASES_KIND)  # engine/memory_phases.py
+                                     ckpt.layout_signature(run.layout), keep=trainer.keep_checkpoints,
+                                     files=_rollouts_in_flight(run, step + 1))
+        run.logger.log(step + 1, run.phases.pop(), kind=PHASES_KIND)  # engine/phase_peaks.py
         if preempted and not done:
             run.logger.close()
             raise Preempted(f"{preemption.signal_name or 'signal on another rank'} at step {step + 1}")
-    if progress is not None:
-        progress.close()
+    progress.close()
+    run.rollouts.close()
     run.logger.close()
     return _finish(run) if rank0 else {}
+
+
+def _rollouts_in_flight(run: Run, next_step: int) -> Dict[str, Any]:
+    """The checkpoint's file of rollouts sampled ahead (collective; none for the synchronous loop)."""
+    if not run.cfg.rollout.pipeline.overlapped:
+        return {}
+    return {rollout_store.ROLLOUTS_FILE: rollout_store.pipeline_state(run.rollouts, next_step, run.slots)}
 
 
 def evaluate(run: Run, step: int) -> Dict[str, Any]:
@@ -386,39 +387,49 @@ def _finish(run: Run) -> Dict[str, Any]:
 class RolloutLearning:
     """What :func:`learn_from_rollout` returns: the estimator's output (``advantages`` [B, N] and
     its metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], the engine
-    gap metrics (where the rollout has the engine's log-probs), and, when the algorithm's state
-    needs it, the updated policy's global trajectory log-ratios ``log pi_theta(o_i) / pi_old(o_i)``
-    [B, N] (else None)."""
+    gap metrics (:meth:`RolloutBatch.gap_logprobs`), and, when the algorithm's state needs it, the
+    updated policy's global trajectory log-ratios ``log pi_theta(o_i) / pi_old(o_i)`` [B, N] (else
+    None); for a rollout sampled ahead (``rollout.pipeline``), its importance weights and
+    ``async/ess_frac``."""
 
     advantages: Any
     metrics: List[Dict[str, float]]
     old_entropy: torch.Tensor
     engine_gap: Dict[str, float]
     policy_shift: Optional[torch.Tensor] = None
+    off_policy: OffPolicyStep = field(default_factory=OffPolicyStep)
 
 
 def learn_from_rollout(run: Run, cfg: ExperimentConfig, rollout, groups: ShapedGroups,
-                       timer: Optional[Timer] = None) -> RolloutLearning:
+                       timer: Optional[Timer] = None, stale: bool = False) -> RolloutLearning:
     """Steps 4-6 of a training step on this rank's rollout with the step's config ``cfg``, shared
     by :func:`train_step` and ``benchmarks/bench_step.py`` (which replays saved rollouts through
     it). ``groups``: the algorithm's data-side view of the global [B, N] rewards
-    (:func:`shape_rewards`). Collective over all ranks. Phases ``logprobs`` and ``update`` of
-    ``timer``."""
+    (:func:`shape_rewards`); ``stale``: the rollout was sampled by older weights than the step's
+    (``rollout.pipeline``, docs/quatro-math.md Sec. 9). Collective over all ranks. Phases
+    ``logprobs`` and ``update`` of ``timer``."""
     timer = timer or Timer()
     n, batching = cfg.rollout.n, run.batching
+    batch_size, mini_batch_size = cfg.trainer.prompts_per_step, cfg.trainer.mini_batch_prompts or cfg.trainer.prompts_per_step
     with timer.phase("logprobs"):
-        # 4. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
-        advantage_out = run.spec.advantage_estimator(groups.rewards, cfg.algorithm)
-        advantages = advantage_out.advantages[run.slots].reshape(-1)
-        # 5. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref; rows of groups
+        # 4. log pi_old (recomputed by Megatron, as the loss sees it) and log pi_ref; rows of groups
         # the data-side hook dropped (DAPO's filter) leave the loss.
-        batch = make_batch(rollout, advantages, groups.weights[run.slots].repeat_interleave(n))
+        batch = make_batch(rollout, groups.weights[run.slots].repeat_interleave(n))
         with torch.no_grad():
             batch["old_logprobs"], old_entropy = compute_logprobs(run.policy, batch, batching)
             if run.reference is not None:
                 batch["ref_logprobs"], _ = compute_logprobs(run.reference, batch, batching)
-        engine_gap = ({} if rollout.engine_logprobs is None else
-                      engine_gap_metrics(rollout.engine_logprobs, batch["old_logprobs"], rollout.response_mask))
+        sampler_logprobs = rollout.gap_logprobs(cfg.rollout.temperature)
+        engine_gap = ({} if sampler_logprobs is None else
+                      engine_gap_metrics(sampler_logprobs, batch["old_logprobs"], rollout.response_mask))
+        # A rollout sampled ahead: importance weights pi_old / mu and the correction (Sec. 9.2-9.5).
+        off_policy = OffPolicyStep()
+        if cfg.rollout.pipeline.overlapped:
+            off_policy = correct_stale_rollout(cfg.rollout.pipeline, rollout, batch, run.slots, correct=stale,
+                                               to_global=lambda local: global_rewards(local, batch_size, mini_batch_size))
+        # 5. Advantages from the registry (QUATRO: one vectorised dual solve over all B groups).
+        advantage_out = run.spec.advantage_estimator(groups.rewards, cfg.algorithm, off_policy.sample_weights)
+        batch["advantages"] = advantage_out.advantages[run.slots].reshape(-1).to(batch["tokens"].device).float()
         correction = ImportanceCorrection(cfg.rollout.importance_correction)
         if rollout.engine_logprobs is not None and correction != ImportanceCorrection.none:
             device = batch["old_logprobs"].device
@@ -431,7 +442,7 @@ def learn_from_rollout(run: Run, cfg: ExperimentConfig, rollout, groups: ShapedG
         if update_metrics:
             run.backend.update_weights()
         policy_shift = measure_policy_shift(run, cfg, batch) if run.algorithm_state.needs_policy_shift else None
-    return RolloutLearning(advantage_out, update_metrics, old_entropy, engine_gap, policy_shift)
+    return RolloutLearning(advantage_out, update_metrics, old_entropy, engine_gap, policy_shift, off_policy)
 
 
 def update_policy(run: Run, cfg: ExperimentConfig, batch: Dict[str, torch.Tensor]) -> List[Dict[str, float]]:
@@ -493,14 +504,6 @@ def _step_metrics(rewards, advantage_metrics, update_metrics, rollout, old_entro
     out["entropy"] = float(local[0] / local[1].clamp(min=1))
     out["response_length/mean"] = float(local[1] / local[2])
     return out
-
-
-def _progress_bar(cfg: ExperimentConfig, rank0: bool, start_step: int):
-    if not (rank0 and cfg.run.progress_bar and sys.stderr.isatty()):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=cfg.trainer.steps, initial=start_step, desc=f"{cfg.algorithm_name}", unit="step")
 
 
 def _write_run_files(cfg: ExperimentConfig, layout) -> None:

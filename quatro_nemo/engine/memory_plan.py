@@ -2,71 +2,27 @@
 
 :func:`plan_run` plans a validated run config (``quatro_nemo.engine.config``'s typed sections):
 for a model shape, a parallel layout and the batch settings, :func:`plan_memory` returns the
-memory one GPU needs in each phase of a colocated RL step (training with megatron-core, rollout
-with vLLM) and the rollout token budget; :func:`check_layout` refuses a layout that does not
-divide, ``quatro_nemo.engine.capabilities`` one the engine cannot run, and :func:`check_plan` one
-that cannot fit, each with a :class:`~quatro_nemo.validation.ConfigError` naming the setting to
-change. ``recipes/plan_memory.py`` prints it (``--json`` for scripts).
+memory one GPU needs in each phase of a colocated RL run (start-up, resume, rollout with vLLM,
+training with megatron-core, held-out evaluation, checkpoint save), the host memory of a save, the
+rollout token budget and the seconds of a step, an evaluation and a save; :func:`check_layout`
+refuses a layout that does not divide, ``quatro_nemo.engine.capabilities`` one the engine cannot
+run, and :func:`check_plan` one where any phase cannot fit, each with a
+:class:`~quatro_nemo.validation.ConfigError` naming the settings to change.
+``recipes/plan_memory.py`` prints it (``--json`` for scripts).
 
-It models what the engine does (issue 14), reading the keys the engine obeys
-(``scale.distributed_optimizer``, ``scale.offload_optimizer_in_rollout``, ``scale.max_prompt_tokens``,
-``vllm.*``, ``parallel.*``, ``trainer.*``, ``model.*``). Each term,
-per GPU of the most loaded pipeline stage, with ``P`` its parameters and ``d`` the data-parallel
-size (:func:`training_state_bytes`, :func:`plan_memory`):
-
-- **Weights** ``P x 2`` (bf16) or ``P x 4`` (float32): megatron-core ``GPTModel`` parameters
-  (``quatro_nemo.megatron.models.build_model``; with the distributed optimizer they become views
-  of DDP's contiguous parameter buffer, no second copy).
-- **Gradients** ``P x 4``: megatron-core ``DistributedDataParallel(grad_reduce_in_fp32=True)``
-  allocates one float32 gradient buffer for every parameter (``param_and_grad_buffer.py``,
-  ``grad_data``), unsharded even with the distributed optimizer (it reduce-scatters in place).
-- **Optimizer** (``get_megatron_optimizer``, Adam): float32 main parameters (bf16 models only:
-  ``Float16OptimizerWithFloat16Params`` / the distributed optimizer's ``shard_main_param``; a
-  float32 model's main parameters are its weights) and Adam's ``exp_avg`` and ``exp_avg_sq``
-  (8 bytes); divided by ``d`` with ``scale.distributed_optimizer``. Together: Megatron-LM
-  ``docs/source/api-guide/dist_optimizer.md``, "bf16 param, fp32 grads: 18 (plain), 6 + 12/d
-  (distributed)"; "fp32 param, fp32 grads: 16 and 8 + 8/d".
-- **Activations** in the parameters' dtype: Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models" (arXiv:2205.05198), Sec. 4.1, redone for a pre-norm
-  RMSNorm/SwiGLU/GQA layer without dropout (:func:`layer_activation_elements`); flash attention
-  (Transformer Engine's layer spec) stores no ``s x s`` scores, megatron's local spec (no TE: the
-  CPU, or a GPU without TE) does. Full recomputation keeps each layer's input plus one layer's
-  activations. A 1F1B pipeline keeps ``min(PP, micro-batches)`` micro-batches in flight on the
-  first stage (Narayanan et al. 2021, arXiv:2104.04473, Sec. 2.2).
-- **Logits** of one micro-batch, ``b x s x V/TP`` elements on the last stage, at
-  :data:`LOSS_BYTES_PER_LOGIT` bytes each at the peak of the loss's backward
-  (``quatro_nemo.megatron.logprobs._VocabParallelLogProbsEntropy``: the float32 logits it saves
-  (bf16 models: megatron's ``Float16Module`` casts the logits to float32 first), then in its
-  backward ``shifted``, ``probs``, ``grad`` and three temporaries of the entropy term, whose
-  incoming gradient autograd materialises as zeros although the loss does not use it: 7 x 4
-  bytes). Measured on the CPU: 29.4 bytes (``tests/engine/test_memory_reality.py``).
-- **Optimizer-step transients** (after the backward, so they do not add to activations):
-  Transformer Engine / apex ``FusedAdam`` and ``multi_tensor_scale`` update in place (0); torch's
-  ``AdamW`` fallback (megatron without TE/apex) allocates ``sqrt(exp_avg_sq)`` for the whole
-  parameter group on CUDA (``foreach``: 4 bytes per optimizer parameter) or per tensor on the CPU
-  (``sqrt`` and the division: 8 bytes x the largest tensor); megatron's local
-  ``multi_tensor_scale`` (gradient clipping) one gradient-sized temporary at a time. On the CPU,
-  gloo's reduce-scatter / all-gather of DDP's flat buffers (distributed optimizer, ``d > 1``)
-  allocates one buffer-sized temporary (NCCL works in place).
-- **Reference policy** (``algorithm.beta > 0``): a second model of the same dtype on the run's
-  device, no gradients or optimizer.
-- **Weight push to vLLM** (``quatro_nemo.megatron.checkpoint.iter_full_parameters``, one full
-  tensor at a time): the TP shards gathered, their concatenation, and the previous tensor vLLM's
-  ``load_weights`` still holds: 3 (TP > 1) or 2 (TP = 1) copies of the largest full tensor.
-- **Rollout phase**: with ``scale.offload_optimizer_in_rollout`` the engine moves the optimizer
-  state and DDP's gradient buffer to the host before vLLM wakes (NeMo-RL's
-  ``offload_before_refit``), so only the weights (and pi_ref) stay.
-- **KV cache**: ``2 (K and V) x layers x KV heads x head_dim x 2 bytes`` per token, KV heads split
-  over the vLLM TP ranks (replicated when TP > KV heads), as vLLM allocates it.
-- Parameter counts: the Qwen2 / GPT decoder layer's tensors (:func:`stage_parameter_counts`);
-  checked against ``transformers``' Qwen2 and the published Qwen2.5 totals (1,543,714,304 and
-  7,615,616,512 parameters).
+It models what the engine does (issues 14 and 38), reading the keys the engine obeys
+(``scale.*``, ``vllm.*``, ``parallel.*``, ``trainer.*``, ``eval.*``, ``model.*``) and the
+machine's (``cluster.*``). The terms (what each allocation is, with its source) are in
+:mod:`quatro_nemo.engine.memory_terms`, the phases (what is on the GPU when) in
+:mod:`quatro_nemo.engine.memory_phases`, the seconds in :mod:`quatro_nemo.engine.phase_times`.
 
 It is a plan, not a measurement: a fixed ``cluster.reserve_gb`` covers the CUDA context, NCCL
-buffers and allocator fragmentation (0 on the CPU). ``train_peak_allocated_gb`` is what
-``torch.cuda.max_memory_allocated()`` should reach in training (``scripts/gpu_check.sh`` prints
-the two side by side); the CPU flavour is checked against the measured peak resident memory of
-real training steps (``tests/engine/test_memory_reality.py``).
+buffers and allocator fragmentation (0 on the CPU), ``vllm.sleep_residual_gb`` what vLLM keeps
+on the GPU asleep. ``train_peak_allocated_gb`` is what ``torch.cuda.max_memory_allocated()``
+should reach in training (``scripts/gpu_check.sh`` prints the two side by side); the CPU flavour
+is checked against the measured peak resident memory of real training steps
+(``tests/engine/test_memory_reality.py``), vLLM's terms against the real engine's CPU build
+(``tests/vllm/test_memory_plan_real_engine.py``).
 """
 from __future__ import annotations
 
@@ -74,271 +30,32 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
 
-from quatro_nemo.engine.capabilities import (Device, RolloutBackendName, check_params_dtype, check_sequence_parallel,
-                                             check_tensor_split, check_vllm_layout)
-from quatro_nemo.validation import (ConfigError, check_at_least, check_mini_batches, check_token_budget, choices,
-                                    coerce_choices)
+from quatro_nemo.engine.capabilities import (RolloutBackendName, check_sequence_parallel, check_tensor_split,
+                                             check_vllm_layout)
+from quatro_nemo.engine.memory_phases import PhaseInputs, device_total_bytes, host_save, phase_bytes
+from quatro_nemo.engine.memory_terms import (GB, LOGPROB_FORWARD_BYTES_PER_LOGIT, LOSS_BYTES_PER_LOGIT, Layout,
+                                             ModelShape, PlannedDevice, Runtime, Workload, largest_full_tensor_elements,
+                                             largest_tensor_elements,
+                                             layer_activation_elements, layer_parameter_count, load_transient_elements,
+                                             logits_bytes, optimizer_step_transient_bytes, stage_parameter_counts,
+                                             total_parameter_count, training_state_bytes)
+from quatro_nemo.engine.phase_times import (EngineRates, PhaseSeconds, compute_seconds, sampling_seconds,
+                                            save_seconds, train_flops)
+from quatro_nemo.validation import ConfigError, check_at_least, check_mini_batches, check_token_budget
 
 if TYPE_CHECKING:
     from quatro_nemo.engine.config import ClusterConfig, ExperimentConfig, ScaleConfig, VllmConfig
 
-GB = 1e9  # decimal gigabytes, as GPU memory is quoted (80 GB H100)
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelShape:
-    """What the arithmetic needs from a model config (``quatro_nemo.megatron.models.ModelConfig``)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    swiglu: bool = True
-    qkv_bias: bool = True
-    linear_bias: bool = False
-    tie_embeddings: bool = True
-    bytes_per_param: int = 2  # bf16
-
-    @classmethod
-    def from_model_config(cls, cfg) -> "ModelShape":
-        """From a validated ``quatro_nemo.megatron.models.ModelConfig`` (RMSNorm + RoPE decoders:
-        Qwen2; the tiny CPU GPT's LayerNorm biases and position table are not counted)."""
-        if cfg.normalization != "RMSNorm" or cfg.position_embedding != "rope":
-            raise ConfigError(f"model.normalization='{cfg.normalization}', model.position_embedding="
-                              f"'{cfg.position_embedding}': the planner covers RMSNorm + RoPE decoders (qwen2)")
-        check_params_dtype(cfg.params_dtype)
-        return cls(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_query_groups,
-            ffn_hidden_size=cfg.ffn_hidden_size, swiglu=cfg.swiglu, qkv_bias=cfg.qkv_bias,
-            linear_bias=cfg.linear_bias, tie_embeddings=cfg.tie_embeddings,
-            bytes_per_param=4 if cfg.params_dtype == "float32" else 2,
-        )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-@dataclass
-class Workload:
-    """One RL step: ``prompts_per_step`` prompts x ``n`` responses, K inner loops."""
-
-    prompts_per_step: int
-    n: int
-    max_prompt_tokens: int
-    max_new_tokens: int
-    micro_batch_size: int
-    mini_batch_prompts: Optional[int] = None  # prompts per optimizer step (None: all)
-    inner_loops: int = 1
-    uses_reference: bool = True               # beta > 0: pi_ref log-probs each step
-    max_tokens_per_micro_batch: Optional[int] = None  # parallel.max_tokens_per_micro_batch (None/0: rows)
-
-    @property
-    def sequence_length(self) -> int:
-        return self.max_prompt_tokens + self.max_new_tokens
-
-    @property
-    def tokens_per_micro_batch(self) -> int:
-        """Most tokens one micro-batch computes: the padded budget (a row longer than the budget
-        runs alone, so at most one full-length row), else ``micro_batch_size`` full-length rows."""
-        if self.max_tokens_per_micro_batch:
-            return max(self.max_tokens_per_micro_batch, self.sequence_length)
-        return self.sequence_length * self.micro_batch_size
-
-
-@dataclass
-class Layout:
-    tensor_parallel: int
-    pipeline_parallel: int
-    full_recompute: bool = False  # megatron's recompute_granularity="full" (model.extra)
-    sequence_parallel: bool = False  # megatron's sequence_parallel (model.extra)
-
-    @classmethod
-    def from_config(cls, cfg: "ExperimentConfig") -> "Layout":
-        """The ``parallel:`` sizes and the ``model.extra`` switches megatron receives
-        (``recompute_granularity``: the one place full recomputation is set; ``sequence_parallel``)."""
-        extra = cfg.model.extra or {}
-        granularity = extra.get("recompute_granularity")
-        if granularity not in (None, "full", "selective"):
-            raise ConfigError(f"model.extra.recompute_granularity={granularity!r}: expected full, selective or null")
-        return cls(cfg.parallel.tensor, cfg.parallel.pipeline, full_recompute=granularity == "full",
-                   sequence_parallel=bool(extra.get("sequence_parallel", False)))
-
-
-# the device a plan is for: a trainer.device resolved (Runtime.detect plans ``auto`` as cuda)
-PlannedDevice = choices("PlannedDevice", tuple(d.value for d in Device if d is not Device.auto), __name__)
-
-
-@dataclass
-class Runtime:
-    """What the machine, not the config, decides: the device, and whether Transformer Engine (its
-    layer spec: flash attention; its FusedAdam) or apex (FusedAdam) import, which selects
-    megatron-core's code paths (``quatro_nemo.megatron.models._layer_spec``,
-    ``megatron.core.optimizer``'s ``USING_PYTORCH_OPTIMIZER``). A choice outside its options is
-    refused (ConfigError naming ``Runtime.<field>``)."""
-
-    device: PlannedDevice = PlannedDevice("cuda")   # cuda | cpu (the CPU flavour: no CUDA reserve, gloo)
-    transformer_engine: bool = True  # TE layer spec: flash attention, no s x s scores stored
-    fused_adam: bool = True          # TE or apex FusedAdam (else torch.optim.AdamW)
-    rollout_backend: RolloutBackendName = RolloutBackendName.vllm  # rollout.backend (megatron: no vLLM memory)
-
-    def __post_init__(self) -> None:
-        coerce_choices(self, "Runtime")
-
-    @classmethod
-    def detect(cls, device: Device, rollout_backend: RolloutBackendName) -> "Runtime":
-        """This machine's runtime for ``trainer.device`` (``auto`` plans a GPU) without importing
-        the packages (``importlib.util.find_spec``)."""
-        from importlib.util import find_spec
-
-        te = find_spec("transformer_engine") is not None
-        return cls(device="cpu" if device == Device.cpu else "cuda", transformer_engine=te,
-                   fused_adam=te or find_spec("apex") is not None, rollout_backend=rollout_backend)
-
-
-# ---------------------------------------------------------------------------------------------
-# Parameters
-# ---------------------------------------------------------------------------------------------
-
-
-def layer_parameter_count(m: ModelShape) -> Dict[str, int]:
-    """Parameters of one decoder layer, split into TP-sharded and replicated (norms)."""
-    d, h, f = m.head_dim, m.hidden_size, m.ffn_hidden_size
-    qkv_rows = (m.num_attention_heads + 2 * m.num_query_groups) * d
-    sharded = h * qkv_rows + (qkv_rows if m.qkv_bias else 0)                 # linear_qkv
-    sharded += m.num_attention_heads * d * h                                 # linear_proj
-    fc1_rows = 2 * f if m.swiglu else f
-    sharded += h * fc1_rows + f * h                                          # linear_fc1, linear_fc2
-    if m.linear_bias:
-        sharded += fc1_rows  # column-parallel bias
-    replicated = 2 * h + ((h + h) if m.linear_bias else 0)                   # 2 norms (+ row biases)
-    return {"sharded": sharded, "replicated": replicated}
-
-
-def total_parameter_count(m: ModelShape) -> int:
-    """Parameters of the whole model (TP=1, PP=1); tied embeddings counted once."""
-    layer = layer_parameter_count(m)
-    embedding = m.vocab_size * m.hidden_size
-    output = 0 if m.tie_embeddings else embedding
-    return m.num_layers * (layer["sharded"] + layer["replicated"]) + embedding + output + m.hidden_size
-
-
-def stage_parameter_counts(m: ModelShape, layout: Layout) -> List[int]:
-    """Parameters held by one GPU of each pipeline stage (TP-sharded tensors divided by TP).
-
-    With tied embeddings and PP > 1 the last stage holds a copy of the embedding as its output
-    layer (megatron's embedding group).
-    """
-    tp, pp = layout.tensor_parallel, layout.pipeline_parallel
-    layer = layer_parameter_count(m)
-    per_layer = layer["sharded"] // tp + layer["replicated"]
-    layers_per_stage = m.num_layers // pp
-    embedding = m.vocab_size * m.hidden_size // tp
-    counts = []
-    for stage in range(pp):
-        count = layers_per_stage * per_layer
-        if stage == 0:
-            count += embedding
-        if stage == pp - 1:
-            count += m.hidden_size  # final norm
-            if not m.tie_embeddings or pp > 1:
-                count += embedding
-        counts.append(count)
-    return counts
-
-
-GRAD_BYTES = 4         # DDP's gradient buffer: grad_reduce_in_fp32=True
-MAIN_PARAM_BYTES = 4   # float32 main parameters of a bf16 model
-ADAM_BYTES = 8         # Adam's exp_avg and exp_avg_sq, float32
-
-
-def training_state_bytes(bytes_per_param: int, distributed_optimizer: bool, data_parallel: int) -> Dict[str, float]:
-    """Bytes per parameter of the weights, DDP's gradient buffer and the optimizer (float32 main
-    parameters of a bf16 model + Adam moments, sharded over DP by the distributed optimizer).
-    Sums to Megatron-LM's dist_optimizer.md table: 18 / 6 + 12/d (bf16), 16 / 8 + 8/d (fp32)."""
-    main_params = MAIN_PARAM_BYTES if bytes_per_param < 4 else 0  # a float32 model steps its weights
-    shards = data_parallel if distributed_optimizer else 1
-    return {"weights": float(bytes_per_param), "grads": float(GRAD_BYTES),
-            "optimizer": (main_params + ADAM_BYTES) / shards}
-
-
-def largest_tensor_elements(m: ModelShape, tp: int) -> int:
-    """Elements of this GPU's largest parameter shard: the (vocab-parallel) embedding / output
-    layer, or a layer's fc1 (column-parallel, ``2f x h`` with SwiGLU)."""
-    fc1_rows = 2 * m.ffn_hidden_size if m.swiglu else m.ffn_hidden_size
-    return max(m.vocab_size * m.hidden_size, fc1_rows * m.hidden_size) // tp
-
-
-def largest_full_tensor_elements(m: ModelShape) -> int:
-    """Elements of the largest full (TP-gathered) tensor the weight push streams."""
-    return largest_tensor_elements(m, 1)
-
-
-def optimizer_step_transient_bytes(m: ModelShape, tp: int, optimizer_parameters: float, grad_buffer_elements: int,
-                                   runtime: Runtime, distributed_optimizer: bool, data_parallel: int) -> float:
-    """Peak temporary memory of ``optimizer.step()`` (gradient clipping, Adam) and the DDP
-    collectives around it, after the backward (module doc, "Optimizer-step transients")."""
-    largest = largest_tensor_elements(m, tp)
-    if runtime.fused_adam:
-        adam = 0.0
-    elif runtime.device == "cuda":
-        adam = 4.0 * optimizer_parameters          # torch AdamW foreach: sqrt(exp_avg_sq) of the group
-    else:
-        adam = 8.0 * min(largest, optimizer_parameters)  # single-tensor AdamW: sqrt, then / bias correction
-    clip = 0.0 if runtime.fused_adam else GRAD_BYTES * largest  # megatron's local multi_tensor_scale
-    gloo = 0.0
-    if runtime.device == "cpu" and distributed_optimizer and data_parallel > 1:
-        gloo = float(GRAD_BYTES * grad_buffer_elements)  # reduce-scatter / all-gather temporary
-    return max(adam, clip, gloo)
-
-
-# ---------------------------------------------------------------------------------------------
-# Activations
-# ---------------------------------------------------------------------------------------------
-
-
-def layer_activation_elements(m: ModelShape, tokens: int, tp: int, flash_attention: bool,
-                              sequence_length: int) -> float:
-    """Elements one decoder layer keeps for its backward pass, for ``tokens = s * b``.
-
-    Korthikanti et al. 2022 Sec. 4.1, per saved tensor (no dropout, no sequence parallelism):
-    norm-1 input (h), QKV GEMM input (h), Q/K/V ((heads + 2 groups) d / t), attention output
-    (heads d / t, also the projection's input), norm-2 input (h), fc1 input (h), fc1 output
-    (2f / t, SwiGLU's input), fc2 input (f / t). Without flash attention add the attention
-    scores and softmax output (2 heads s / t per token).
-    """
-    d, h, f = m.head_dim, m.hidden_size, m.ffn_hidden_size
-    fc1 = 2 * f if m.swiglu else f
-    per_token = 4 * h + ((m.num_attention_heads + 2 * m.num_query_groups) * d
-                         + m.num_attention_heads * d + fc1 + f) / tp
-    if not flash_attention:
-        per_token += 2 * m.num_attention_heads * sequence_length / tp
-    return per_token * tokens
-
-
-# ---------------------------------------------------------------------------------------------
-# The plan
-# ---------------------------------------------------------------------------------------------
-
-
-LOSS_BYTES_PER_LOGIT = 28  # the loss's backward peak per logit element (module doc, "Logits")
-
 
 @dataclass
 class MemoryPlan:
-    """Per-GPU figures in GB (decimal), and the rollout budget. ``train_phase_gb`` /
-    ``rollout_phase_gb`` are what one GPU needs in each phase; both must fit ``gpu_memory_gb``.
-    ``train_peak_allocated_gb`` is the training phase without the reserve: the tensors alone, what
-    ``torch.cuda.max_memory_allocated()`` (or, on the CPU, the peak resident memory a training
-    step adds) should reach."""
+    """Per-GPU figures in GB (decimal), the host figures of a save, the rollout budget and the
+    seconds of each phase. ``phases`` maps each phase of
+    :data:`~quatro_nemo.engine.memory_phases.PHASES` to what one GPU needs in it; every one must
+    fit ``gpu_memory_gb`` (``train_phase_gb`` / ``rollout_phase_gb`` are two of them), and
+    ``host_save_gb_per_node`` must fit ``host_memory_gb``. ``train_peak_allocated_gb`` is the
+    training phase without the reserve: the tensors alone, what ``torch.cuda.max_memory_allocated()``
+    (or, on the CPU, the peak resident memory a training step adds) should reach."""
 
     world_size: int
     tensor_parallel: int
@@ -351,26 +68,38 @@ class MemoryPlan:
     parameters_per_gpu: int
     weights_gb: float
     grads_gb: float
-    optimizer_gb: float
+    optimizer_gb: float                # float32 main parameters + Adam's moments
+    adam_moments_gb: float             # the part that exists only after the first step (or a resume)
     weights_grads_optimizer_gb: float
     activations_gb: float
     logits_gb: float
+    logprob_forward_gb: float          # a forward-only log-prob micro-batch (pi_old, pi_ref, evaluation)
     optimizer_step_transient_gb: float
+    load_transient_gb: float           # a checkpoint load's transient (resume)
     reference_gb: float
     reserve_gb: float
-    vllm_while_training_gb: float
+    vllm_while_training_gb: float      # vLLM between its phases: asleep (its residual) or awake
     train_peak_allocated_gb: float
     train_phase_gb: float
     resident_during_rollout_gb: float
     weight_push_gb: float
     vllm_gb: float
     rollout_phase_gb: float
-    peak_allocated_gb: float           # max of both phases without the reserve: max_memory_allocated()
-    gpu_memory_gb: float
+    phases: Dict[str, float]           # GB per GPU of each phase (memory_phases.PHASES)
+    peak_allocated_gb: float           # the largest phase without the reserve: max_memory_allocated()
+    gpu_memory_gb: float               # cluster.gpu_memory_gb: what every phase must fit
+    device_total_gb: float             # the device's own total: what vllm.gpu_memory_utilization multiplies
+    host_offload_gb_per_rank: float    # the optimizer state kept on the host (scale.offload_optimizer_in_rollout)
+    checkpoint_written_gb_per_rank: float
+    host_save_gb_per_rank: float
+    host_save_gb_per_node: float
+    host_memory_gb: float              # cluster.host_memory_gb: what a node's save must fit
     kv_cache_gb: float
     kv_bytes_per_token: float
     rollout_token_budget: int          # tokens the KV cache of one vLLM engine holds
     max_concurrent_sequences: int      # full-length sequences one engine runs at once
+    max_num_seqs: int                  # vllm.max_num_seqs
+    proposed_max_num_seqs: int         # all of an engine's sequences, or as many as its KV cache holds at full length
     sequences_per_engine: int          # rollout sequences each engine must produce per step
     rollout_waves: int                 # ceil(sequences_per_engine / max_concurrent_sequences)
     num_microbatches: int              # per optimizer step per data-parallel rank
@@ -378,12 +107,21 @@ class MemoryPlan:
     tokens_per_step: int               # upper bound: every sequence at full length
     train_tflops_per_step: float       # policy updates + old/ref log-probs
     estimated_train_seconds: float     # at cluster.assumed_mfu
+    rollout_seconds: float             # phase_times: vLLM's sampling of one step
+    step_seconds: float                # rollout + training
+    eval_seconds: float                # one held-out evaluation
+    save_seconds: float                # one checkpoint save
+    preemption_lead_seconds: float     # step + eval + save: what #SBATCH --signal=B:USR1@N must cover
     notes: List[str] = field(default_factory=list)
 
     @property
     def uses_vllm(self) -> bool:
         return self.vllm_gb > 0
 
+    @property
+    def phase_seconds(self) -> PhaseSeconds:
+        return PhaseSeconds(rollout=self.rollout_seconds, train=self.estimated_train_seconds, eval=self.eval_seconds,
+                            save=self.save_seconds)
 
 
 def check_layout(m: ModelShape, layout: Layout, cluster: "ClusterConfig", vllm: "VllmConfig", work: Workload) -> int:
@@ -448,11 +186,8 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: "ClusterConfig", scale: 
                      "(run the planner where the training image's packages are installed)")
 
     # Weights, DDP's float32 gradient buffer, optimizer state: the most loaded stage.
-    stage_counts = stage_parameter_counts(m, layout)
-    per_gpu = max(stage_counts)
-    state = {key: per_gpu * value for key, value in
-             training_state_bytes(m.bytes_per_param, scale.distributed_optimizer, dp).items()}
-    training_state = sum(state.values())
+    per_gpu = max(stage_parameter_counts(m, layout))
+    state = training_state_bytes(m.bytes_per_param, scale.distributed_optimizer, dp).times(per_gpu)
     optimizer_parameters = per_gpu / (dp if scale.distributed_optimizer else 1)
     step_transient = optimizer_step_transient_bytes(m, tp, optimizer_parameters, per_gpu, runtime,
                                                     scale.distributed_optimizer, dp)
@@ -471,99 +206,174 @@ def plan_memory(m: ModelShape, layout: Layout, cluster: "ClusterConfig", scale: 
         activations = in_flight * layers * (tokens_mb * m.hidden_size * act_bytes) + full_layer
     else:
         activations = in_flight * layers * full_layer
-    logits = tokens_mb * (m.vocab_size / tp) * LOSS_BYTES_PER_LOGIT + tokens_mb * m.hidden_size * act_bytes
+    logits = logits_bytes(m, tokens_mb, tp, LOSS_BYTES_PER_LOGIT)
+    logprob_forward = logits_bytes(m, tokens_mb, tp, LOGPROB_FORWARD_BYTES_PER_LOGIT) + full_layer
+    load_transient = load_transient_elements(m, layout) * m.bytes_per_param
 
     total = total_parameter_count(m)
     reference = per_gpu * m.bytes_per_param if work.uses_reference else 0.0
     reserve = cluster.reserve_gb * GB if on_gpu else 0.0
-    memory = cluster.gpu_memory_gb * GB
+    device_total, guessed_total = device_total_bytes(cluster)
     engine_parameters = total + (m.vocab_size * m.hidden_size if m.tie_embeddings else 0)
     vllm_weights = engine_parameters * m.bytes_per_param / vllm.tensor_parallel
     if not uses_vllm:
         vllm_budget = 0.0
     elif vllm.kv_cache_memory_gb is not None:   # weights + the KV cache asked for + activations
         vllm_budget = vllm_weights + (vllm.kv_cache_memory_gb + vllm.activation_reserve_gb) * GB
-    else:
-        vllm_budget = vllm.gpu_memory_utilization * memory
-    vllm_while_training = 0.0 if vllm.sleep_between_phases else vllm_budget
-    train_peak = (training_state + reference + vllm_while_training
-                  + max(activations + logits, step_transient))
+    else:   # vLLM takes its share of the device's own total (memory_phases module doc)
+        vllm_budget = vllm.gpu_memory_utilization * device_total
+        if guessed_total:
+            notes.append(guessed_total)
+    sleeps = vllm.sleep_between_phases and on_gpu   # vLLM's CPU build has no sleep mode
+    vllm_while_training = (vllm.sleep_residual_gb * GB if sleeps else vllm_budget) if uses_vllm else 0.0
+    train_transient = max(activations + logits, step_transient)
+    train_peak = state.full + reference + vllm_while_training + train_transient
     train_phase = train_peak + reserve
 
     # Rollout phase: training state kept on the GPU while vLLM wakes, receives the weights (one
-    # full tensor at a time) and samples.
+    # full tensor at a time) and samples. vLLM's engine: full weights in the model's dtype split
+    # over its TP ranks (its output layer is its own even for tied embeddings,
+    # quatro_nemo.engine.vllm_backend.write_engine_model_dir), then the KV cache.
     offloaded = scale.offload_optimizer_in_rollout and uses_vllm
-    resident = (state["weights"] if offloaded else training_state) + reference + reserve
+    resident = (state.weights if offloaded else state.full) + reference + reserve
     push = (3 if tp > 1 else 2) * largest_full_tensor_elements(m) * m.bytes_per_param if uses_vllm else 0.0
-
-    # vLLM engine: full weights in the model's dtype split over its TP ranks (vllm_weights above: its
-    # output layer is its own even for tied embeddings, quatro_nemo.engine.vllm_backend.write_engine_model_dir),
-    # then KV cache.
     rollout_phase = resident + max(vllm_budget, vllm_weights + push) if uses_vllm else 0.0
     kv_heads_per_rank = max(1, m.num_query_groups // vllm.tensor_parallel)
     kv_bytes_per_token = 2 * m.num_layers * kv_heads_per_rank * m.head_dim * 2
     kv_cache = vllm_budget - vllm_weights - vllm.activation_reserve_gb * GB if uses_vllm else 0.0
     budget = max(0, int(kv_cache // kv_bytes_per_token)) if kv_cache > 0 else 0
-    concurrent = min(budget // s, vllm.max_num_seqs)
+    room = budget // s   # full-length sequences the KV cache holds at once
+    concurrent = min(room, vllm.max_num_seqs)
     engines = world // vllm.tensor_parallel
     sequences_per_engine = math.ceil(work.prompts_per_step * work.n / engines)
     waves = math.ceil(sequences_per_engine / concurrent) if concurrent > 0 else 0
-    if uses_vllm and concurrent == vllm.max_num_seqs:
-        notes.append(f"concurrency capped by vllm.max_num_seqs={vllm.max_num_seqs}")
+    proposed_max_num_seqs = min(sequences_per_engine, room) if uses_vllm else 0
+    if uses_vllm and vllm.max_num_seqs < proposed_max_num_seqs:
+        notes.append(f"vllm.max_num_seqs={vllm.max_num_seqs} caps each engine below the {proposed_max_num_seqs} "
+                     f"sequences it could run at once: set vllm.max_num_seqs={proposed_max_num_seqs}")
 
-    # Compute: 6 N per trained token (x4/3 with full recompute), 2 N per token for each of the
-    # old and reference log-prob passes (Kaplan et al. 2020, arXiv:2001.08361, Sec. 2.1).
+    phases = phase_bytes(PhaseInputs(
+        state=state, reference=reference, reserve=reserve, engine_asleep=vllm_while_training,
+        engine_build=vllm_budget, train_transient=train_transient, logprob_forward=logprob_forward,
+        load_transient=load_transient, rollout=rollout_phase))
+    unsharded_optimizer = training_state_bytes(m.bytes_per_param, False, 1).optimizer * per_gpu
+    host = host_save(unsharded_optimizer, state.weights, largest_tensor_elements(m, tp) * m.bytes_per_param, dp,
+                     offload_bytes=state.optimizer if offloaded else 0.0, reserve_bytes=cluster.host_reserve_gb * GB)
+
+    # Seconds (quatro_nemo.engine.phase_times): the step's sampling and training, one held-out
+    # evaluation (its problems split over DP ranks, then over the engines of a TP group; its
+    # entropy pass), one save.
     tokens = work.prompts_per_step * work.n * s
-    train_factor = 6 + (2 if layout.full_recompute else 0)
-    flops = total * tokens * (train_factor * work.inner_loops + 2 + (2 if work.uses_reference else 0))
-    seconds = flops / (world * cluster.peak_tflops * 1e12 * cluster.assumed_mfu)
+    flops = train_flops(total, tokens, layout.full_recompute, work.inner_loops, work.uses_reference)
+    train_seconds = compute_seconds(flops, world, cluster)
+    engine = EngineRates(weight_bytes=vllm_weights, kv_bytes_per_token=kv_bytes_per_token,
+                         parameters=engine_parameters, tensor_parallel=vllm.tensor_parallel, max_concurrent=concurrent)
+    engines_per_group = max(1, tp // vllm.tensor_parallel)
+    eval_sequences = math.ceil(math.ceil(work.eval_problems / dp) / engines_per_group) * work.eval_samples
+    rollout_seconds, eval_sampling = ((sampling_seconds(engine, sequences_per_engine, work.max_prompt_tokens,
+                                                        work.max_new_tokens, cluster),
+                                       sampling_seconds(engine, eval_sequences, work.max_prompt_tokens,
+                                                        work.max_new_tokens, cluster))
+                                      if uses_vllm else (0.0, 0.0))
+    eval_seconds = eval_sampling + compute_seconds(2 * total * work.eval_problems * work.eval_samples * s, world,
+                                                   cluster)
+    seconds = PhaseSeconds(rollout=rollout_seconds, train=train_seconds, eval=eval_seconds,
+                           save=save_seconds(host.written, cluster))
 
     return MemoryPlan(
         world_size=world, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
         full_recompute=layout.full_recompute, device=runtime.device,
         distributed_optimizer=scale.distributed_optimizer,
         total_parameters=total, parameters_per_gpu=per_gpu,
-        weights_gb=state["weights"] / GB, grads_gb=state["grads"] / GB, optimizer_gb=state["optimizer"] / GB,
-        weights_grads_optimizer_gb=training_state / GB, activations_gb=activations / GB, logits_gb=logits / GB,
+        weights_gb=state.weights / GB, grads_gb=state.grads / GB, optimizer_gb=state.optimizer / GB,
+        adam_moments_gb=state.adam / GB, weights_grads_optimizer_gb=state.full / GB,
+        activations_gb=activations / GB, logits_gb=logits / GB, logprob_forward_gb=logprob_forward / GB,
         optimizer_step_transient_gb=step_transient / GB,
+        load_transient_gb=load_transient / GB,
         reference_gb=reference / GB, reserve_gb=reserve / GB, vllm_while_training_gb=vllm_while_training / GB,
         train_peak_allocated_gb=train_peak / GB, train_phase_gb=train_phase / GB,
         resident_during_rollout_gb=resident / GB if uses_vllm else 0.0, weight_push_gb=push / GB,
         vllm_gb=vllm_budget / GB, rollout_phase_gb=rollout_phase / GB,
-        peak_allocated_gb=max(train_peak, rollout_phase - reserve) / GB, gpu_memory_gb=cluster.gpu_memory_gb,
+        phases={name: value / GB for name, value in phases.items()},
+        peak_allocated_gb=(max(phases.values()) - reserve) / GB, gpu_memory_gb=cluster.gpu_memory_gb,
+        device_total_gb=device_total / GB,
+        host_offload_gb_per_rank=host.offload / GB, checkpoint_written_gb_per_rank=host.written / GB,
+        host_save_gb_per_rank=host.per_rank / GB, host_save_gb_per_node=host.per_rank * cluster.gpus_per_node / GB,
+        host_memory_gb=cluster.host_memory_gb,
         kv_cache_gb=max(kv_cache, 0.0) / GB, kv_bytes_per_token=float(kv_bytes_per_token),
-        rollout_token_budget=budget, max_concurrent_sequences=concurrent,
+        rollout_token_budget=budget, max_concurrent_sequences=concurrent, max_num_seqs=vllm.max_num_seqs,
+        proposed_max_num_seqs=proposed_max_num_seqs,
         sequences_per_engine=sequences_per_engine, rollout_waves=waves, num_microbatches=microbatches,
         optimizer_steps_per_rollout=work.prompts_per_step // mini * work.inner_loops,
-        tokens_per_step=tokens, train_tflops_per_step=flops / 1e12, estimated_train_seconds=seconds,
+        tokens_per_step=tokens, train_tflops_per_step=flops / 1e12, estimated_train_seconds=train_seconds,
+        rollout_seconds=seconds.rollout, step_seconds=seconds.step, eval_seconds=seconds.eval,
+        save_seconds=seconds.save, preemption_lead_seconds=seconds.preemption_lead,
         notes=notes,
     )
 
 
+# What each phase holds (its terms) and what would make it fit, for check_plan's message.
+_PHASE_FIXES = {
+    "startup": "set vllm.sleep_between_phases=true (the engine sleeps as soon as it is built), lower "
+               "vllm.gpu_memory_utilization, raise cluster.nodes or parallel.tensor, or set "
+               "scale.distributed_optimizer=true",
+    "resume": "raise cluster.nodes or parallel.tensor (smaller optimizer shards), set scale.distributed_optimizer=true "
+              "or vllm.sleep_between_phases=true",
+    "train": "lower parallel.micro_batch_size or parallel.max_tokens_per_micro_batch, set "
+             "model.extra.recompute_granularity=full, raise parallel.tensor or parallel.pipeline or cluster.nodes, or "
+             "set scale.distributed_optimizer=true / vllm.sleep_between_phases=true",
+    "rollout": "lower vllm.gpu_memory_utilization or set scale.offload_optimizer_in_rollout=true",
+    "eval": "lower vllm.gpu_memory_utilization, or parallel.max_tokens_per_micro_batch / parallel.micro_batch_size",
+    "save": "raise cluster.nodes or parallel.tensor, or set scale.distributed_optimizer=true / "
+            "vllm.sleep_between_phases=true",
+}
+
+
+def _phase_terms(plan: MemoryPlan, phase: str) -> str:
+    state = (f"reference {plan.reference_gb:.1f}, vLLM asleep {plan.vllm_while_training_gb:.1f}, "
+             f"reserve {plan.reserve_gb:.1f}")
+    before_first_step = plan.weights_grads_optimizer_gb - plan.adam_moments_gb
+    return {
+        "startup": f"training state before the first step {before_first_step:.1f}, {state}; vLLM at construction "
+                   f"{plan.vllm_gb:.1f} beside the weights {plan.weights_gb:.1f}",
+        "resume": f"training state with Adam's moments {plan.weights_grads_optimizer_gb:.1f}, load transient "
+                  f"{plan.load_transient_gb:.1f}, {state}",
+        "train": f"weights {plan.weights_gb:.1f}, gradients {plan.grads_gb:.1f}, optimizer {plan.optimizer_gb:.1f}, "
+                 f"activations {plan.activations_gb:.1f}, logits {plan.logits_gb:.1f}, reference "
+                 f"{plan.reference_gb:.1f}, vLLM {plan.vllm_while_training_gb:.1f}",
+        "rollout": f"vLLM {plan.vllm_gb:.1f} + training state {plan.resident_during_rollout_gb:.1f}",
+        "eval": f"the rollout phase {plan.rollout_phase_gb:.1f}, or the training state "
+                f"{plan.weights_grads_optimizer_gb:.1f} with a log-prob forward {plan.logprob_forward_gb:.1f}, {state}",
+        "save": f"training state {plan.weights_grads_optimizer_gb:.1f}, {state}",
+    }[phase]
+
+
+_PHASE_NAMES = {"startup": "start-up", "resume": "resume", "rollout": "rollout", "train": "training",
+                "eval": "evaluation", "save": "checkpoint-save"}
+
+
 def check_plan(plan: MemoryPlan) -> MemoryPlan:
-    """Refuse a plan that cannot fit; the error names the settings that would fix it."""
-    if plan.train_phase_gb > plan.gpu_memory_gb:
-        raise ConfigError(
-            f"the training phase needs {plan.train_phase_gb:.1f} GB per GPU > cluster.gpu_memory_gb="
-            f"{plan.gpu_memory_gb:g} (weights {plan.weights_gb:.1f}, gradients {plan.grads_gb:.1f}, optimizer "
-            f"{plan.optimizer_gb:.1f}, activations {plan.activations_gb:.1f}, logits {plan.logits_gb:.1f}, "
-            f"reference {plan.reference_gb:.1f}, vLLM {plan.vllm_while_training_gb:.1f}): "
-            "lower parallel.micro_batch_size or parallel.max_tokens_per_micro_batch, set "
-            "model.extra.recompute_granularity=full, raise parallel.tensor or "
-            "parallel.pipeline or cluster.nodes, or set scale.distributed_optimizer=true / "
-            "vllm.sleep_between_phases=true")
-    if not plan.uses_vllm:
-        return plan
-    if plan.rollout_phase_gb > plan.gpu_memory_gb:
-        raise ConfigError(
-            f"the rollout phase needs {plan.rollout_phase_gb:.1f} GB per GPU > cluster.gpu_memory_gb="
-            f"{plan.gpu_memory_gb:g} (vLLM {plan.vllm_gb:.1f} + training state {plan.resident_during_rollout_gb:.1f}): "
-            "lower vllm.gpu_memory_utilization or set scale.offload_optimizer_in_rollout=true")
-    if plan.max_concurrent_sequences < 1:
-        raise ConfigError(
+    """Refuse a plan where any phase cannot fit (every failing phase in one error, each with the
+    settings that would fix it)."""
+    problems = [f"the {_PHASE_NAMES[name]} phase needs {needed:.1f} GB per GPU > cluster.gpu_memory_gb="
+                f"{plan.gpu_memory_gb:g} ({_phase_terms(plan, name)}): {_PHASE_FIXES[name]}"
+                for name, needed in plan.phases.items() if needed > plan.gpu_memory_gb]
+    if plan.host_save_gb_per_node > plan.host_memory_gb:
+        ranks = round(plan.host_save_gb_per_node / plan.host_save_gb_per_rank) if plan.host_save_gb_per_rank else 0
+        problems.append(
+            f"a checkpoint save needs {plan.host_save_gb_per_node:.0f} GB of host memory per node > "
+            f"cluster.host_memory_gb={plan.host_memory_gb:g} ({ranks} ranks x {plan.host_save_gb_per_rank:.1f} GB: "
+            f"the optimizer state kept on the host {plan.host_offload_gb_per_rank:.1f}, the writer's staging of "
+            f"the {plan.checkpoint_written_gb_per_rank:.1f} GB each rank writes, cluster.host_reserve_gb): raise "
+            "cluster.nodes (smaller shards per rank), set scale.offload_optimizer_in_rollout=false, or set "
+            "cluster.host_memory_gb to what the nodes have")
+    if plan.uses_vllm and plan.max_concurrent_sequences < 1:
+        problems.append(
             f"vLLM's KV cache ({plan.kv_cache_gb:.2f} GB) cannot hold one full-length sequence "
             f"(scale.max_prompt_tokens + rollout.max_new_tokens): raise vllm.gpu_memory_utilization or "
             "vllm.tensor_parallel")
+    if problems:
+        raise ConfigError("; ".join(problems))
     return plan
 
 
@@ -576,7 +386,7 @@ def plan_run(cfg: "ExperimentConfig", runtime: Optional[Runtime] = None) -> Memo
         max_new_tokens=cfg.rollout.max_new_tokens, micro_batch_size=parallel.micro_batch_size,
         max_tokens_per_micro_batch=parallel.max_tokens_per_micro_batch or None,
         mini_batch_prompts=trainer.mini_batch_prompts, inner_loops=trainer.inner_loops,
-        uses_reference=cfg.algorithm.beta > 0,
+        uses_reference=cfg.algorithm.beta > 0, eval_problems=cfg.eval.num_problems, eval_samples=cfg.eval.n_samples,
     )
     runtime = runtime or Runtime.detect(trainer.device, cfg.rollout.backend)
     plan = plan_memory(ModelShape.from_model_config(cfg.model), Layout.from_config(cfg), cfg.cluster, cfg.scale,
@@ -585,8 +395,8 @@ def plan_run(cfg: "ExperimentConfig", runtime: Optional[Runtime] = None) -> Memo
 
 
 __all__ = [
-    "GB", "LOSS_BYTES_PER_LOGIT", "Layout", "MemoryPlan", "ModelShape", "PlannedDevice", "Runtime", "Workload",
-    "check_engine_support",
-    "check_layout", "check_plan", "layer_activation_elements", "layer_parameter_count", "optimizer_step_transient_bytes",
-    "plan_memory", "plan_run", "stage_parameter_counts", "total_parameter_count", "training_state_bytes",
+    "GB", "LOGPROB_FORWARD_BYTES_PER_LOGIT", "LOSS_BYTES_PER_LOGIT", "Layout", "MemoryPlan", "ModelShape",
+    "PlannedDevice", "Runtime", "Workload", "check_engine_support", "check_layout", "check_plan",
+    "layer_activation_elements", "layer_parameter_count", "optimizer_step_transient_bytes", "plan_memory", "plan_run",
+    "stage_parameter_counts", "total_parameter_count", "training_state_bytes",
 ]

@@ -21,10 +21,13 @@ any split of the prompts across data-parallel ranks (pass each rank's ``first_pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Sequence
+from typing import Callable, Dict, List, Optional, Protocol, Sequence
 
 import torch
 
+from quatro_nemo.megatron.batching import MicroBatching
+from quatro_nemo.megatron.compat import current_device
+from quatro_nemo.megatron.forward import compute_logprobs
 from quatro_nemo.megatron.sampling import SampleOutput, SamplingParams, generate
 
 
@@ -33,12 +36,11 @@ class RolloutBatch:
     """A grouped rollout of ``num_prompts * num_samples`` rows (this rank's prompts).
 
     ``sample`` holds the token tensors of ``docs/interfaces.md`` (``tokens``, ``response_mask``,
-    the sampler's ``logprobs``, lengths, ``finished``). ``engine_logprobs`` [S, L-1]: the sampling
-    engine's log pi(token) of each sampled token at temperature 1, aligned like ``response_mask``:
-    what the trainer's recomputed log-probs are compared with
-    (:func:`quatro_nemo.engine.loop.engine_gap_metrics`): vLLM's raw log-probs, or the megatron
-    sampler's own when it samples at temperature 1 (its KV-cache forward against the training
-    forward); None where the sampler's log-probs are of another temperature.
+    the sampler's ``logprobs``, lengths, ``finished``). ``engine_logprobs`` [S, L-1]: where the
+    sampling engine is not the trained model itself (vLLM), its log pi(token) of each sampled
+    token at temperature 1, aligned like ``response_mask``: what the trainer's recomputed log-probs
+    are compared with (:func:`quatro_nemo.engine.loop.engine_gap_metrics`, through
+    :meth:`gap_logprobs`); None otherwise.
     ``timings``: what the backend measured around sampling, by metric name (the vLLM backend's
     ``time/offload`` / ``time/reload`` of the training state, and with ``vllm.check_push`` the
     push check's ``engine_push/*``), logged with the step's metrics.
@@ -53,6 +55,16 @@ class RolloutBatch:
     @property
     def tokens(self) -> torch.Tensor:
         return self.sample.tokens
+
+    def gap_logprobs(self, temperature: float) -> Optional[torch.Tensor]:
+        """The sampler's log pi(token) [S, L-1] that the trainer's recomputation is compared with
+        (``engine_gap/*``): :attr:`engine_logprobs` where set, else the sampler's own
+        ``sample.logprobs`` when it sampled at ``temperature`` 1 (they are of
+        ``softmax(logits / temperature)``): the megatron sampler's KV-cache forward against the
+        training forward. None otherwise."""
+        if self.engine_logprobs is not None:
+            return self.engine_logprobs
+        return self.sample.logprobs if temperature == 1.0 else None
 
     @property
     def response_mask(self) -> torch.Tensor:
@@ -122,10 +134,7 @@ class MegatronRolloutBackend:
             self.model, rows, params, stop_token_ids=self.stop_token_ids, pad_id=self.pad_id,
             sequence_ids=global_sequence_ids(first_prompt_index, len(prompts), num_samples, prompt_indices),
         )
-        # The sampler's log-probs are under softmax(logits / temperature): log pi at temperature 1 only.
-        engine_logprobs = sample.logprobs if params.temperature == 1.0 else None
-        return RolloutBatch(sample=sample, num_prompts=len(prompts), num_samples=num_samples,
-                            engine_logprobs=engine_logprobs)
+        return RolloutBatch(sample=sample, num_prompts=len(prompts), num_samples=num_samples)
 
     def update_weights(self) -> None:
         """Nothing to do: the backend samples from the parameters being trained."""
@@ -145,6 +154,21 @@ def pad_to_length(sample: SampleOutput, length: int, pad_id: int) -> SampleOutpu
         response_lengths=sample.response_lengths,
         finished=sample.finished,
     )
+
+
+def trainer_logprobs(policy, batching: MicroBatching) -> Callable[[RolloutBatch], torch.Tensor]:
+    """``rollout -> log pi(o_t)`` [S, L-1] (CPU, float32, 0 outside the response) by the trainer's
+    own forward pass (``compute_logprobs``, the function that computes pi_prox when the step
+    trains: with the same weights, the same values bit for bit) at temperature 1: the behaviour
+    log-probs of the megatron sampler, which samples with the trained model itself
+    (docs/quatro-math.md Sec. 9.6). Collective over the model-parallel group."""
+
+    def logprobs(rollout: RolloutBatch) -> torch.Tensor:
+        with torch.no_grad():
+            values, _ = compute_logprobs(policy, model_inputs(rollout, current_device()), batching)
+        return values.cpu() * rollout.response_mask
+
+    return logprobs
 
 
 def model_inputs(rollout: RolloutBatch, device: torch.device) -> Dict[str, torch.Tensor]:

@@ -37,9 +37,9 @@ How it works (vLLM's documented offline API: ``LLM``, ``SamplingParams``, ``coll
   (:meth:`VllmRolloutBackend.manage_training_state`; the seconds each way are logged as
   ``time/offload`` and ``time/reload``). With
   ``vllm.sleep_between_phases`` (GPUs: vLLM's CPU build has no sleep mode, said once in the log)
-  the engine sleeps at level 2 after sampling (KV cache and weights freed: the next push rewrites
-  the weights anyway); before sampling it wakes the weights, receives the push, then wakes the KV
-  cache.
+  the engine sleeps at level 2 as soon as it is built and after every sampling call (KV cache and
+  weights freed: the next push rewrites the weights anyway); before sampling it wakes the
+  weights, receives the push, then wakes the KV cache.
 - **Engine start**: vLLM builds the model from a ``config.json`` written from the trainer's
   ``ModelConfig`` with dummy weights (``load_format="dummy"``); no checkpoint is read (the first
   push brings the weights), so a randomly initialised policy works like a pretrained one.
@@ -284,6 +284,11 @@ class VllmRolloutBackend:
         self.training_state: Optional[training.HostTrainingState] = None
         self.push_check = PushCheck(model_config) if engine.check_push else None
         self._push_metrics: Dict[str, float] = {}   # the last push's check, reported by the next generate
+        # Asleep from the start (level 2: dummy weights and KV cache freed), as NeMo-RL
+        # (grpo.py: pg.finish_generation() right after building the engine) and verl ("sleep all
+        # replicas to load checkpoint") do: DDP, the optimizer, pi_ref and a resumed checkpoint
+        # are allocated next, beside vLLM's residual only (the memory plan's start-up and resume).
+        self._sleep()
 
     def manage_training_state(self, policy_ddp, optimizer) -> None:
         """Move the optimizer state to host buffers (allocated once, pinned on GPUs) and release

@@ -36,7 +36,7 @@ And one that saves time rather than being needed:
    ...) in ``torch.compile`` as it imports them (``megatron.core.jit.jit_fuser``, ~38 functions);
    the first such call imports TorchDynamo and Inductor, 2.7-3 s of every CPU process's start-up
    (4.9 s -> 1.9 s for importing megatron-core, measured on the 2-core CI machine), for kernels a
-   run never calls (``megatron/models.py`` builds every model with megatron's fusions off) and
+   run never calls (``megatron/models.py`` builds every model without CUDA with the fusions off) and
    that on a CPU would go through Inductor's C++ compiler. :func:`apply_cpu_compat` imports
    megatron-core with ``torch.compile`` as the identity for that import. ``megatron.core.jit``
    binds ``jit_fuser = torch.compile`` as it is imported, so the identity stays its fuser for the

@@ -19,6 +19,15 @@ Backward is local to each rank's vocabulary slice (no communication):
 
 Unlike megatron's ``vocab_parallel_cross_entropy`` (which subtracts the max from its float32
 input in place), the input logits are never modified, so one forward can feed both outputs.
+
+The entropy is usually a metric only (``quatro_nemo.megatron.loss`` detaches it): autograd then
+hands the backward no gradient for it (``ctx.set_materialize_grads(False)``) rather than a tensor
+of zeros, and the backward computes the log-prob term alone, in one float32 buffer of the slice's
+size (``shifted``, overwritten by ``p_v``, then by the gradient). Peak bytes per logit element of
+the backward: the saved float32 logits and that buffer, 8 (28 when the entropy term ran on a
+materialised zero gradient: ``shifted``, ``probs``, ``grad`` and three temporaries of the entropy
+term beside the logits; ``benchmarks/bench_logprobs.py``). The forward's peak, 16 bytes (the logits, ``shifted``,
+``exp(shifted)`` and their product), is then the larger.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group, vocab_start: int):
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         z = logits.float()
         vocab_size_local = z.shape[-1]
 
@@ -72,18 +82,31 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
         logits, logits_max, log_sum_exp, expected_shifted, safe_index, owns_target = ctx.saved_tensors
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None
         shifted = logits.float() - logits_max.unsqueeze(-1)
+        if grad_entropy is None:  # the entropy is a metric only: the log-prob term, in place
+            # p_v = exp(z_v - m - log Z), written over shifted; d log p(y)/dz_v = 1[v=y] - p_v
+            grad = shifted.sub_(log_sum_exp.unsqueeze(-1)).exp_().mul_(-grad_logprobs.unsqueeze(-1))
+            _add_target_term(grad, grad_logprobs, safe_index, owns_target)
+            return grad.to(logits.dtype), None, None, None
         probs = (shifted - log_sum_exp.unsqueeze(-1)).exp()
         grad = torch.zeros_like(probs)
         if grad_logprobs is not None:
             # d log p(y)/dz_v = 1[v=y] - p_v
             grad -= grad_logprobs.unsqueeze(-1) * probs
-            onehot_grad = torch.where(owns_target, grad_logprobs, torch.zeros_like(grad_logprobs))
-            grad.scatter_add_(-1, safe_index.unsqueeze(-1), onehot_grad.unsqueeze(-1))
-        if grad_entropy is not None:
-            # dH/dz_v = -p_v (z_v - E_p[z])
-            grad -= grad_entropy.unsqueeze(-1) * probs * (shifted - expected_shifted.unsqueeze(-1))
+            _add_target_term(grad, grad_logprobs, safe_index, owns_target)
+        # dH/dz_v = -p_v (z_v - E_p[z])
+        grad -= grad_entropy.unsqueeze(-1) * probs * (shifted - expected_shifted.unsqueeze(-1))
         return grad.to(logits.dtype), None, None, None
+
+
+def _add_target_term(grad: torch.Tensor, grad_logprobs: torch.Tensor, safe_index: torch.Tensor,
+                     owns_target: torch.Tensor) -> None:
+    """The ``1[v = y]`` term of d log p(y)/dz_v, times the incoming gradient, added in place on
+    the rank whose vocabulary slice holds y."""
+    onehot_grad = torch.where(owns_target, grad_logprobs, torch.zeros_like(grad_logprobs))
+    grad.scatter_add_(-1, safe_index.unsqueeze(-1), onehot_grad.unsqueeze(-1))
 
 
 def vocab_parallel_logprobs_and_entropy(

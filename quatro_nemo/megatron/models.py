@@ -18,11 +18,18 @@ Differences between megatron-core versions (0.10 in the NeMo-Aligner container, 
 0.19 in .venv-cluster and the image) are
 handled only in :func:`_layer_spec` and :func:`_transformer_config_kwargs`.
 
+megatron's fused kernels are on where the process can run them (:func:`fusions_for` of the
+:class:`FusionCapability` detected at build time), off on the CPU: gradient-accumulation fusion
+(weight gradients accumulated into DDP's float32 ``main_grad`` inside the GEMM), the fused RoPE
+and the fused SwiGLU. The same model runs the same kernels in every pass (pi_old's log-probs, the
+training forward, its recomputation), so pi_old still equals the training forward bit for bit.
+
 :func:`global_parameter_name` names this rank's parameters as in the full (TP=1, PP=1) model;
 TP slicing and gathering of full tensors live in :mod:`quatro_nemo.megatron.checkpoint`.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from dataclasses import asdict, dataclass, field
@@ -125,6 +132,67 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except Exception:  # ImportError, or OSError for missing CUDA libraries
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class FusionCapability:
+    """Which of megatron's fused kernels this process can run (:meth:`detect`)."""
+
+    cuda: bool
+    transformer_engine: bool  # TE imports: its fused RoPE, its linears' fused weight-gradient accumulation
+    apex_fused_wgrad: bool    # apex's ``fused_weight_gradient_mlp_cuda`` CUDA extension imports
+
+    @classmethod
+    def detect(cls) -> "FusionCapability":
+        cuda = torch.cuda.is_available()
+        return cls(cuda=cuda, transformer_engine=cuda and transformer_engine_available(),
+                   apex_fused_wgrad=cuda and _importable("fused_weight_gradient_mlp_cuda"))
+
+
+@dataclass(frozen=True)
+class Fusions:
+    """megatron ``TransformerConfig``'s fusion switches that :func:`fusions_for` sets."""
+
+    gradient_accumulation_fusion: bool
+    apply_rope_fusion: bool
+    bias_activation_fusion: bool
+
+
+def fusions_for(capability: FusionCapability, cfg: ModelConfig, megatron_ddp: bool) -> Fusions:
+    """The fusions a model of ``cfg`` gets on a device with ``capability`` (megatron-core 0.19.2):
+
+    - ``gradient_accumulation_fusion``: CUDA and apex's ``fused_weight_gradient_mlp_cuda``. The
+      output layer is always megatron's own ``tensor_parallel.ColumnParallelLinear``
+      (``GPTModel``: TE's LM head only under MXFP8), whose constructor raises without that
+      extension (``tensor_parallel/layers.py``); TE's linears take the same switch as
+      ``fuse_wgrad_accumulation`` (``extensions/transformer_engine.py``). Both write into the
+      ``main_grad`` buffers megatron's DDP gives each parameter: a model trained without megatron's
+      DDP (``megatron_ddp=False``, the countdown warm start's plain torch AdamW) keeps it off.
+    - ``apply_rope_fusion``: CUDA, Transformer Engine (``rope_utils``: TE's
+      ``fused_apply_rotary_pos_emb`` / ``_thd``; ``TransformerConfig`` refuses it without them) and
+      a RoPE model.
+    - ``bias_activation_fusion``: CUDA and a SwiGLU MLP (``mlp.py``: megatron's ``bias_swiglu_impl``,
+      ``torch.compile``d by ``megatron.core.jit``; the same function of its input, with a
+      hand-written backward). Not for the GELU MLP: its fused kernel is the tanh approximation
+      (``fused_bias_gelu``), another function than ``F.gelu``.
+
+    Off on the CPU: nothing to gain there (``compat.py``'s workaround 7 keeps megatron's fused
+    functions eager), and the CPU tests compare against unfused references.
+    """
+    return Fusions(
+        gradient_accumulation_fusion=capability.cuda and capability.apex_fused_wgrad and megatron_ddp,
+        apply_rope_fusion=capability.cuda and capability.transformer_engine
+        and cfg.position_embedding == PositionEmbedding.rope,
+        bias_activation_fusion=capability.cuda and bool(cfg.swiglu),
+    )
+
+
 def _layer_spec(cfg: ModelConfig, use_transformer_engine: bool):
     """The layer spec; the one place that knows megatron-core's spec signatures (0.10 .. 0.19)."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -143,7 +211,7 @@ def _layer_spec(cfg: ModelConfig, use_transformer_engine: bool):
     return local_spec()
 
 
-def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
+def _transformer_config_kwargs(cfg: ModelConfig, fusions: Fusions) -> Dict[str, object]:
     """Keyword arguments of TransformerConfig present in every supported megatron-core."""
     dtype = cfg.torch_dtype
     return dict(
@@ -171,12 +239,12 @@ def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=fusions.gradient_accumulation_fusion,
+        apply_rope_fusion=fusions.apply_rope_fusion,
+        bias_activation_fusion=fusions.bias_activation_fusion,
+        masked_softmax_fusion=False,  # the local spec's unfused softmax; TE's attention has its own
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
         # Each micro-batch loss is its additive share of the global loss (megatron/loss.py):
         # megatron then neither divides it by the number of micro-batches nor averages
         # gradients over data-parallel ranks (they are summed).
@@ -184,8 +252,9 @@ def _transformer_config_kwargs(cfg: ModelConfig) -> Dict[str, object]:
     )
 
 
-def build_transformer_config(cfg: ModelConfig):
-    """megatron-core TransformerConfig for ``cfg`` under the current parallel layout.
+def build_transformer_config(cfg: ModelConfig, fusions: Fusions):
+    """megatron-core TransformerConfig for ``cfg`` under the current parallel layout, with
+    ``fusions`` (:func:`fusions_for`).
 
     Under pipeline parallelism micro-batches differ in shape (token budgets, packing, a shorter
     last slice), so the stages send each activation's shape ahead of it
@@ -195,19 +264,21 @@ def build_transformer_config(cfg: ModelConfig):
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kwargs = _transformer_config_kwargs(cfg)
+    kwargs = _transformer_config_kwargs(cfg, fusions)
     if parallel.pp_size() > 1:
         kwargs.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     kwargs.update(cfg.extra)
     return TransformerConfig(**kwargs)
 
 
-def build_model(cfg: ModelConfig, use_transformer_engine: Optional[bool] = None):
+def build_model(cfg: ModelConfig, use_transformer_engine: Optional[bool] = None, megatron_ddp: bool = True):
     """This rank's pipeline stage of the model, on :func:`compat.current_device`.
 
     Call after :func:`quatro_nemo.megatron.parallel.initialize_parallel`. The output layer is
     vocab-parallel (``parallel_output=True``): logits come out as ``[L, S, V/TP]`` (megatron's
     sequence-first layout) on the last stage; earlier stages return hidden states.
+    ``megatron_ddp``: the model trains inside megatron's DDP or not at all (:func:`fusions_for`);
+    False for one trained by a plain torch optimizer.
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -225,7 +296,7 @@ def build_model(cfg: ModelConfig, use_transformer_engine: Optional[bool] = None)
         use_transformer_engine = transformer_engine_available()
 
     model = GPTModel(
-        config=build_transformer_config(cfg),
+        config=build_transformer_config(cfg, fusions_for(FusionCapability.detect(), cfg, megatron_ddp)),
         transformer_layer_spec=_layer_spec(cfg, use_transformer_engine),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings,

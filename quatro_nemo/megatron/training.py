@@ -12,9 +12,10 @@ What Megatron-LM's ``pretrain`` sets up, reduced to what the RL loop needs:
   et al. 2020, Sec. 5.1). Gradient clipping (global L2 norm over every model-parallel shard) is the
   optimizer's: ``step()`` returns the norm. Without Transformer Engine or apex (the CPU) megatron
   falls back to ``torch.optim.AdamW``.
-- :class:`HostTrainingState`: the optimizer state to reused (pinned) host buffers and the gradient
-  buffers released while a colocated rollout engine samples, and back (NeMo-RL's
-  ``offload_before_refit``, verl's ``offload_megatron_*``).
+- :class:`HostTrainingState`: the optimizer state to reused (pinned) host buffers, parts of flat
+  host allocations (:class:`FlatHostBuffer`), and the gradient buffers released while a colocated
+  rollout engine samples, and back (NeMo-RL's ``offload_before_refit``, verl's
+  ``offload_megatron_*``).
 
 Gradient semantics. Every micro-batch loss is already its additive share of the GLOBAL loss
 (:mod:`quatro_nemo.megatron.loss`), so gradients must be SUMMED over data-parallel ranks, not
@@ -25,8 +26,9 @@ micro-batches in the schedule).
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -176,12 +178,15 @@ class HostTrainingState:
     copy (megatron's ``offload_grad_buffers``: between steps their content is dead, they come back
     zeroed). :meth:`reload` resizes each storage back, copies its bytes in and waits for them.
 
-    The host buffers are allocated at the first offload that needs them and reused by every later
-    one (one per storage, matched by byte size in a fixed order: Adam's moments appear after the
-    first step, so the set grows once), pinned when CUDA is available (the copies are direct DMA,
-    without a pageable staging copy per step), plain on the CPU, where the same round trip runs
-    (it frees nothing there: the buffers hold what the storage held). ``seconds`` holds the last
-    offload's and reload's wall time (``time/offload``, ``time/reload``).
+    The host buffers are parts of flat host allocations (:class:`FlatHostBuffer`), one part per
+    storage, allocated at the first offload that needs them and reused by every later one (matched
+    by byte size in a fixed order; the sizes no held part matches get one new flat allocation
+    together: Adam's moments appear after the first step, so a run makes two, the master weights'
+    and the moments'; an allocation none of whose parts is in use any more is released). They are
+    pinned when CUDA is available (the copies are direct DMA, without a pageable staging copy per
+    step), plain on the CPU, where the same round trip runs (it frees nothing there: the buffers
+    hold what the storage held). :attr:`pinned_bytes` is what they page-lock. ``seconds`` holds the
+    last offload's and reload's wall time (``time/offload``, ``time/reload``).
     """
 
     def __init__(self, ddp_model, optimizer):
@@ -189,6 +194,7 @@ class HostTrainingState:
         self.device = torch.device(current_device())
         self.pin_memory = torch.cuda.is_available()
         self.host_buffers: List[torch.Tensor] = []   # in the order of offload_storages()
+        self.allocations: List[FlatHostBuffer] = []  # the flat host memory the buffers are parts of
         self.parked: List[torch.UntypedStorage] = []  # released device storages, host_buffers' order
         self.seconds: Dict[str, float] = {}
 
@@ -234,18 +240,82 @@ class HostTrainingState:
         self.parked = []
         self.seconds["time/reload"] = time.perf_counter() - start
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked for the buffers (0 on the CPU): the flat allocations' sizes, where
+        torch's caching host allocator would have reserved each buffer's size rounded up to a power
+        of two (``torch.cuda.host_memory_stats()["allocated_bytes.current"]``)."""
+        return sum(allocation.nbytes for allocation in self.allocations if allocation.pinned)
+
     def _buffers_for(self, sizes: List[int]) -> List[torch.Tensor]:
-        """A host buffer of each byte size, the previous offload's where one of that size is left
-        (taken in order), else a new one; buffers no storage needs any more are dropped."""
+        """A host buffer of each byte size: a part of a held allocation where one of that size is
+        left (taken in order), else a part of one new flat allocation for all the sizes left over;
+        allocations none of whose parts is taken any more are released."""
         spare: Dict[int, List[torch.Tensor]] = {}
-        for buffer in self.host_buffers:
-            spare.setdefault(buffer.numel(), []).append(buffer)
-        return [spare[n].pop(0) if spare.get(n) else torch.empty(n, dtype=torch.uint8, pin_memory=self.pin_memory)
-                for n in sizes]
+        for allocation in self.allocations:
+            for part in allocation.parts:
+                spare.setdefault(part.numel(), []).append(part)
+        buffers = [spare[n].pop(0) if spare.get(n) else None for n in sizes]
+        missing = [n for n, buffer in zip(sizes, buffers) if buffer is None]
+        if missing:
+            self.allocations.append(FlatHostBuffer(missing, pin=self.pin_memory))
+            new_parts = iter(self.allocations[-1].parts)
+            buffers = [next(new_parts) if buffer is None else buffer for buffer in buffers]
+        taken = {buffer.data_ptr() for buffer in buffers}
+        self.allocations = [allocation for allocation in self.allocations
+                            if any(part.data_ptr() in taken for part in allocation.parts)]
+        return buffers
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+HOST_BUFFER_ALIGNMENT = 256
+"""Byte alignment of each part of a :class:`FlatHostBuffer` (relative to its start, which the CPU
+allocator aligns to 64 bytes): the alignment of every CUDA device allocation, so a part starts as
+its device storage does."""
+
+
+def flat_offsets(sizes: Sequence[int], alignment: int = HOST_BUFFER_ALIGNMENT) -> Tuple[List[int], int]:
+    """(byte offset of each size in one flat buffer, the buffer's byte size): the sizes in order,
+    each starting at the next multiple of ``alignment``."""
+    offsets, end = [], 0
+    for size in sizes:
+        start = -(-end // alignment) * alignment
+        offsets.append(start)
+        end = start + size
+    return offsets, end
+
+
+class FlatHostBuffer:
+    """One host allocation holding a uint8 part of each byte size (:func:`flat_offsets`).
+
+    ``pin``: page-locked with ``cudaHostRegister`` (``torch.cuda.cudart()``) for exactly its size,
+    and unregistered when this object is released. Not ``torch.empty(pin_memory=True)``: that goes
+    through torch's caching host allocator, which rounds every allocation up to a power of two
+    (ATen ``CachingHostAllocator.h``, ``allocate``: ``c10::llvm::PowerOf2Ceil``, for any size under
+    ``pinned_max_round_threshold``, unlimited by default): up to 2x the bytes. torch's own
+    ``pinned_use_cuda_host_register`` mode registers CPU-allocator memory the same way
+    (``CUDACachingHostAllocator.cpp``). Registered memory is pinned to CUDA (``is_pinned()``,
+    asynchronous copies); torch's host-memory statistics do not count it
+    (:attr:`HostTrainingState.pinned_bytes` does).
+    """
+
+    def __init__(self, sizes: Sequence[int], pin: bool):
+        offsets, self.nbytes = flat_offsets(sizes)
+        self.memory = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.parts = [self.memory[offset:offset + size] for offset, size in zip(offsets, sizes)]
+        self.pinned = pin
+        if pin:
+            cudart = torch.cuda.cudart()
+            error = cudart.cudaHostRegister(self.memory.data_ptr(), self.nbytes, 0)  # cudaHostRegisterDefault
+            if error != cudart.cudaError.success:
+                raise RuntimeError(f"cudaHostRegister of {self.nbytes} host bytes failed: "
+                                   f"{cudart.cudaGetErrorString(error)}")
+            # before the memory itself is freed (an object's weak references are cleared before
+            # its attributes): cudaHostUnregister of freed memory is undefined
+            weakref.finalize(self, cudart.cudaHostUnregister, self.memory.data_ptr())
 
 
 def torch_optimizers(optimizer) -> Iterator[torch.optim.Optimizer]:
@@ -262,9 +332,12 @@ def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 __all__: List[str] = [
+    "FlatHostBuffer",
+    "HOST_BUFFER_ALIGNMENT",
     "HostTrainingState",
     "OptimizerSettings",
     "build_optimizer",
+    "flat_offsets",
     "has_gradient",
     "inner_model",
     "optimizer_step",

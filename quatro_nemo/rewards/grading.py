@@ -107,12 +107,34 @@ class _Worker:
         self.conn.close()
 
 
+def cuda_initialized() -> bool:
+    """Whether this process has initialised CUDA (never imports torch to find out)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 def default_start_method() -> str:
-    """fork on Linux: workers start in milliseconds and need no ``if __name__ == "__main__"``
-    guard in the calling script (forkserver and spawn re-import the main module). Workers only
-    run the check function, so the usual hazard of forking a threaded parent (a lock held by
-    another thread) does not reach them in practice. spawn elsewhere."""
-    return "fork" if sys.platform.startswith("linux") else "spawn"
+    """How the next worker starts; decided as each worker starts, replacements included.
+
+    fork on Linux while CUDA is not initialised in this process (the CPU runs, the evaluation
+    recipe before its model): workers start in milliseconds from the caller's warm imports and
+    need no ``if __name__ == "__main__"`` guard in the calling script. Workers only run the check
+    function, so the usual hazard of forking a threaded parent (a lock held by another thread)
+    does not reach them in practice.
+
+    forkserver once CUDA is initialised: on a GPU run the pool starts at the first rollout's
+    grading, after CUDA, NCCL and vLLM are up, and a fork would copy a process that holds a CUDA
+    context (which the child cannot use; CUDA documents fork after initialisation as
+    unsupported), NCCL's communicators and, over InfiniBand, host memory registered with the
+    network card (whose copy-on-write after a fork is the classic RDMA hazard). The fork server is
+    a fresh interpreter (multiprocessing starts it by fork + exec) that imports the caller's main
+    module (the recipes import their heavy modules inside ``main()``: recipes/train.py) and forks
+    each worker from itself; a worker then imports the check's module and runs its warm-up.
+
+    spawn on other systems."""
+    if not sys.platform.startswith("linux"):
+        return "spawn"
+    return "forkserver" if cuda_initialized() else "fork"
 
 
 class WorkerPool:
@@ -128,15 +150,20 @@ class WorkerPool:
         self.check_fn = check_fn
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
-        self._ctx = multiprocessing.get_context(start_method or default_start_method())
-        self.start_method = self._ctx.get_start_method()
+        self._start_method = start_method      # None: default_start_method() as each worker starts
         self.warmup_fn = warmup_fn
         self.startup_timeout_s = startup_timeout_s
         self._workers: List[_Worker] = []
         self.num_restarts = 0
 
+    @property
+    def start_method(self) -> str:
+        """The start method of the next worker (the one given, else :func:`default_start_method`)."""
+        return self._start_method or default_start_method()
+
     def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self.check_fn, self.warmup_fn, self.startup_timeout_s)
+        return _Worker(multiprocessing.get_context(self.start_method), self.check_fn, self.warmup_fn,
+                       self.startup_timeout_s)
 
     def _ensure_workers(self) -> None:
         new = [self._new_worker() for _ in range(self.num_workers - len(self._workers))]

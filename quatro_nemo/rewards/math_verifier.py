@@ -8,7 +8,8 @@ The same verifier is the training reward for math and the grader of the evaluati
    response's tail goes to math-verify's own extraction.
 2. Checking (math-verify 0.9, Apache-2.0): ``verify(parse("$" + gold + "$"), parse("$" + pred + "$"))``,
    gold first (bare strings mis-parse, e.g. ``2\\sqrt{5}`` -> 2; stack-facts.md). It runs in worker
-   processes (``quatro_nemo.rewards.grading.WorkerPool``) with a per-check wall-clock timeout,
+   processes (``quatro_nemo.rewards.grading.WorkerPool``: forked, or started from a fork server
+   once CUDA is initialised, ``default_start_method``) with a per-check wall-clock timeout,
    because math-verify's own timeout uses ``signal.alarm`` (main thread only) and sympy can hang
    on inputs such as ``9^{9^{9^{9}}}``. A check that times out, raises or crashes scores 0 and is
    counted in :attr:`MathVerifier.stats` and in its :class:`Grade`.

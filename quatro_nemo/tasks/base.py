@@ -28,9 +28,16 @@ class Task:
                params) -> Tuple[Any, List[str]]:
         """N responses per problem (grouped rows) and their decoded texts. `prompt_indices` are the
         problems' global positions: the sampling noise of each row depends only on them."""
-        rollout = backend.generate([self.encode_prompt(p) for p in problems], n, params,
-                                   prompt_indices=list(prompt_indices))
-        return rollout, [self.decode_response(ids) for ids in rollout.response_ids()]
+        rollout = self.generate(backend, problems, prompt_indices, n, params)
+        return rollout, self.decode(rollout)
+
+    def generate(self, backend, problems: Sequence[Dict[str, Any]], prompt_indices: Sequence[int], n: int, params):
+        """The rollout of :meth:`sample`, without decoding it."""
+        return backend.generate([self.encode_prompt(p) for p in problems], n, params, prompt_indices=list(prompt_indices))
+
+    def decode(self, rollout) -> List[str]:
+        """Each row's response text."""
+        return [self.decode_response(ids) for ids in rollout.response_ids()]
 
     def model_config(self, model_config):
         """The run's ``model`` section (a ModelConfig) with this task's vocabulary size unless the

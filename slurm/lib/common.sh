@@ -30,7 +30,7 @@
 #                           cluster sets SCRATCH, else $QUATRO_ROOT/runs; a 7B checkpoint is ~107 GB)
 #   QUATRO_CONTAINER_IMAGE  container image for pyxis/enroot (e.g. a .sqsh file or registry#image)
 #   QUATRO_CONTAINER_MOUNTS extra mounts SRC:DST[,SRC:DST...] (data, checkpoints, HF cache)
-#   QUATRO_CONTAINER_PYTHON python inside the container (default: python)
+#   QUATRO_CONTAINER_PYTHON python inside the container (default: python3, the image's one interpreter name)
 #   QUATRO_MAX_RESTARTS     most requeues a job may go through (default: 20)
 #   QUATRO_RANK_EXIT_WAIT_S seconds the other ranks get after the first one exits (default: 600)
 #   QUATRO_REQUEUE_WAIT_S   seconds the batch shell waits for SLURM after `scontrol requeue` (default: 300)
@@ -42,7 +42,10 @@
 #                           VLLM_CACHE_ROOT, XDG_CACHE_HOME, XDG_CONFIG_HOME, CUDA_CACHE_PATH and
 #                           FLASHINFER_WORKSPACE_BASE under it unless they are set (and HOME when it
 #                           is not writable: the container does not mount it)
-#   GLOO_SOCKET_IFNAME      the interface of megatron's and vLLM's Gloo groups (default: NCCL_SOCKET_IFNAME)
+#   GLOO_SOCKET_IFNAME      the interface of megatron's and vLLM's Gloo groups (default: NCCL_SOCKET_IFNAME,
+#                           else the interface holding the first node's address; see quatro_export_gloo_interface)
+#   NCCL_NVLS_ENABLE        default 0 (no NVLink SHARP buffers); PYTORCH_CUDA_ALLOC_CONF default
+#                           expandable_segments:True unless it or PYTORCH_ALLOC_CONF is set (reasons below)
 #   VLLM_NO_USAGE_STATS, HF_HUB_OFFLINE  default 1: no usage reports, no hub downloads from the ranks
 #   NCCL_IB_TIMEOUT, NCCL_IB_RETRY_CNT   InfiniBand verbs timeout exponent and retries (defaults 22, 7:
 #                           ~17 s per attempt, for congested fabrics); NCCL_SOCKET_IFNAME, NCCL_IB_HCA
@@ -143,10 +146,41 @@ quatro_export_rendezvous() {
 }
 
 # Defaults for GPU runs; any of them set in the environment (or in the template) wins.
+# QUATRO_USR1_LEAD_S: the N of the batch script's own `#SBATCH --signal=...USR1@N` (SLURM runs a
+# copy of the template, its #SBATCH lines included), which rank 0 prints at start-up beside the
+# seconds the planner says a step, an evaluation and a save take (quatro_nemo/engine/preemption_lead.py).
+quatro_export_usr1_lead() {
+    local lead
+    lead=$(sed -n 's/^#SBATCH[[:space:]]\{1,\}--signal=[^@]*USR1@\([0-9]\{1,\}\).*/\1/p' "$0" 2>/dev/null | tail -n 1) || lead=""
+    if [ -n "$lead" ]; then
+        export QUATRO_USR1_LEAD_S=$lead
+    fi
+}
+
 quatro_export_comm_defaults() {
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-    # Megatron's tensor-parallel communication overlap needs kernels issued in order.
+    # One hardware work queue per GPU, so kernels start in the order they are issued. megatron's
+    # communication overlaps are written for it (the sequence-parallel reduce-scatter before the
+    # weight gradient, megatron/core/tensor_parallel/layers.py; overlapped gradient reduction,
+    # megatron/core/distributed/distributed_data_parallel.py); this project turns none of them on,
+    # so nothing here needs it. Kept as the setting megatron's own runs use.
     export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+    # No NVLink SHARP: on NVSwitch systems (HGX H100/H200) NCCL allocates NVLS buffers for each
+    # communicator it enables NVLS on, GPU memory that the planner's reserve (cluster.reserve_gb)
+    # does not budget, across megatron's and vLLM's many groups; NeMo-Framework-Launcher turns
+    # it off by default for memory (launcher_scripts/conf/config.yaml, env_vars). The collectives
+    # here are small next to the compute (weight pushes, gradient reduction at TP 2): 1 enables it.
+    export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+    # Expandable segments: torch's allocator maps physical pages into a growing segment instead
+    # of caching fixed blocks, so memory freed between phases (training state offloaded, logits
+    # released) returns whole to the driver for vLLM to wake into, with less fragmentation at
+    # the phase boundaries. vLLM 0.32's sleep-mode pool is not affected: CuMemAllocator.
+    # use_memory_pool turns expandable segments off while it allocates and restores them after
+    # (vllm/device_allocator/cumem.py; pytorch#147851). torch reads PYTORCH_ALLOC_CONF first,
+    # then PYTORCH_CUDA_ALLOC_CONF: either one set by the user is kept as it is.
+    if [ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
+        export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    fi
     # A rank that dies makes the others abort (after the collective timeout) instead of hanging.
     export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
@@ -157,13 +191,66 @@ quatro_export_comm_defaults() {
     export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-7}
     # Compile caches per job on node-local disk, not in a $HOME shared by every rank of every node.
     export QUATRO_CACHE_DIR=${QUATRO_CACHE_DIR:-${TMPDIR:-/tmp}/quatro-$SLURM_JOB_ID}
-    # megatron and vLLM build Gloo groups over all ranks: the same interface as NCCL's.
-    if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
-        export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NCCL_SOCKET_IFNAME}
-    fi
+    quatro_export_gloo_interface
     # Compute nodes report nothing and download nothing (weights and tokenizers are on disk).
     export VLLM_NO_USAGE_STATS=${VLLM_NO_USAGE_STATS:-1}
     export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+}
+
+# quatro_ipv4 HOST: the IPv4 address HOST resolves to here (HOST itself if it is one); empty if none.
+quatro_ipv4() {
+    if [[ $1 =~ ^[0-9]+(\.[0-9]+){3}$ ]]; then
+        echo "$1"
+    else
+        getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}' || true
+    fi
+}
+
+# quatro_interface_of IPV4: the network interface of this machine that holds that address.
+quatro_interface_of() {
+    ip -o -4 addr show 2>/dev/null | awk -v ip="$1" '{split($4, a, "/"); if (a[1] == ip) {print $2; exit}}' || true
+}
+
+# GLOO_SOCKET_IFNAME: megatron's Gloo groups and vLLM's Gloo world group connect every rank to
+# every other; without it Gloo binds to the address the host name resolves to, which on many
+# clusters is a loopback (Debian's 127.0.1.1 line in /etc/hosts) or management address: the
+# first collective then hangs until the timeout. Chosen in this order: GLOO_SOCKET_IFNAME as set;
+# NCCL_SOCKET_IFNAME (an interface name: the fabric NCCL is told to use); else the interface
+# that holds MASTER_ADDR's address on this, the first node (the address every rank already
+# reaches for the rendezvous). Refused, before any rank starts, when that address is a loopback
+# one while a node of the job is elsewhere, or when no interface holds it in a multi-node job:
+# set one of the two variables then (`ip -o -4 addr` lists the interfaces, e.g. ib0 for IPoIB).
+# Nodes that all resolve to loopback addresses are one machine (a single node, or the local
+# test cluster of tests/slurm): Gloo's own choice works there.
+quatro_export_gloo_interface() {
+    if [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then
+        return 0
+    fi
+    if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
+        export GLOO_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME
+        return 0
+    fi
+    local address interface="" node remote=""
+    address=$(quatro_ipv4 "${MASTER_ADDR:-}")
+    if [ -n "$address" ]; then
+        interface=$(quatro_interface_of "$address")
+    fi
+    if [[ $address == 127.* ]]; then
+        for node in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+            [[ $(quatro_ipv4 "$(quatro_node_addr "$node")") == 127.* ]] || remote=$node
+        done
+    fi
+    local fix="set NCCL_SOCKET_IFNAME or GLOO_SOCKET_IFNAME to the interface of the cluster network"
+    fix+=" (ip -o -4 addr lists them), e.g. export NCCL_SOCKET_IFNAME=ib0 in the template"
+    if [ -n "$remote" ]; then
+        quatro_die "Gloo would bind to $MASTER_ADDR's loopback address $address, which node $remote cannot reach: $fix"
+    fi
+    if [ -z "$interface" ] && [[ $address != 127.* ]] && [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then
+        quatro_die "no interface of this node holds $MASTER_ADDR's address (${address:-unresolved}): $fix"
+    fi
+    if [ -n "$interface" ]; then
+        export GLOO_SOCKET_IFNAME=$interface
+    fi
 }
 
 # Sets QUATRO_SRUN_ARGS: srun's flags for the ranks (labelled output, no kill on the first exit,
@@ -194,7 +281,7 @@ quatro_container_args() {
         "--container-workdir=$PWD"
         "--no-container-mount-home"
     )
-    export QUATRO_PYTHON=${QUATRO_CONTAINER_PYTHON:-python}
+    export QUATRO_PYTHON=${QUATRO_CONTAINER_PYTHON:-python3}
 }
 
 # quatro_runs_dir: where run directories go by default (QUATRO_RUNS_DIR, else scratch, else the checkout).
@@ -268,12 +355,13 @@ quatro_run_recipe() {
     fi
 
     export QUATRO_RANK_LOG=$QUATRO_RUN_DIR/slurm_ranks.jsonl
+    quatro_export_usr1_lead
     quatro_export_rendezvous
     quatro_export_comm_defaults
     quatro_container_args
     quatro_srun_args
     quatro_log "job $SLURM_JOB_ID (restart $restarts): $SLURM_NTASKS ranks on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"
-    quatro_log "run dir $QUATRO_RUN_DIR"
+    quatro_log "run dir $QUATRO_RUN_DIR; Gloo interface ${GLOO_SOCKET_IFNAME:-(chosen by Gloo)}"
     quatro_log "$recipe ${overrides[*]}"
     quatro_record event start nodes "$SLURM_JOB_NODELIST" ntasks "$SLURM_NTASKS" \
         master_addr "$MASTER_ADDR" master_port "$MASTER_PORT" recipe "$recipe" \

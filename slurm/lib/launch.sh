@@ -14,11 +14,18 @@
 # checkout mounted into the container runs its own code with the image's dependencies.
 # Python: $QUATRO_PYTHON, else the repository's .venv, else python3. Recipe names are looked up
 # in $QUATRO_RECIPES_DIR (default: the repository's recipes/).
-# In an NGC-based image (docs/cluster.md) it first runs itself through NGC's entrypoint,
-# $QUATRO_NGC_ENTRYPOINT (default /opt/nvidia/nvidia_entrypoint.sh, when it exists), once: that
-# entrypoint puts CUDA's forward-compatibility libraries on the library path when the host driver
-# is older than the image's CUDA. `docker run` would run it as the image's entrypoint, but pyxis
-# (srun --container-image) runs no entrypoint unless asked (--container-entrypoint).
+#
+# CUDA forward compatibility, before Python starts: when the driver (nvidia-smi) is older than
+# the branch the image's CUDA needs, $QUATRO_CUDA_MIN_DRIVER (default 580: CUDA 13.0, the engine
+# image; the Dockerfile sets it per stack), and the image has CUDA's forward-compatibility
+# libraries ($QUATRO_CUDA_COMPAT_DIR, default /usr/local/cuda/compat; empty: never), that folder
+# goes first on LD_LIBRARY_PATH. Otherwise nothing changes. It must happen here: the dynamic
+# linker reads LD_LIBRARY_PATH once, when a process starts, so vLLM's own switch
+# (VLLM_ENABLE_CUDA_COMPATIBILITY, vllm/env_override.py: it edits os.environ before importing
+# torch) reaches only the processes vLLM starts, not a rank that runs the engine in-process; and
+# neither `docker run` nor pyxis runs an entrypoint of the base image here (this file is the
+# entrypoint). Forward compatibility works on data-center GPUs only (NVIDIA's CUDA compatibility
+# guide); docs/cluster.md ("Driver") has NVIDIA_DISABLE_REQUIRE for pyxis.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -26,10 +33,26 @@ RECIPES=${QUATRO_RECIPES_DIR:-$ROOT/recipes}
 
 die() { echo "launch.sh: $*" >&2; exit 2; }
 
-ngc_entrypoint=${QUATRO_NGC_ENTRYPOINT:-/opt/nvidia/nvidia_entrypoint.sh}
-if [ -z "${QUATRO_NGC_ENTRYPOINT_DONE:-}" ] && [ -x "$ngc_entrypoint" ]; then
-    export QUATRO_NGC_ENTRYPOINT_DONE=1
-    exec "$ngc_entrypoint" "${BASH_SOURCE[0]}" "$@"
+# The driver's branch (the major of nvidia-smi's driver_version, first GPU); empty without a
+# working nvidia-smi (a CPU node, or no GPU in the step).
+driver_branch() {
+    local version
+    version=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1) || return 0
+    if [[ $version =~ ^([0-9]+)\. ]]; then
+        echo "${BASH_REMATCH[1]}"
+    fi
+}
+
+compat_dir=${QUATRO_CUDA_COMPAT_DIR-/usr/local/cuda/compat}
+if [ -n "$compat_dir" ] && [ -d "$compat_dir" ]; then
+    branch=$(driver_branch)
+    min_branch=${QUATRO_CUDA_MIN_DRIVER:-580}
+    if [ -n "$branch" ] && [ "$branch" -lt "$min_branch" ]; then
+        export LD_LIBRARY_PATH=$compat_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+        if [ "${LOCAL_RANK:-${SLURM_LOCALID:-0}}" = 0 ]; then
+            echo "launch.sh: driver R$branch < R$min_branch: CUDA forward compatibility from $compat_dir" >&2
+        fi
+    fi
 fi
 
 [ $# -ge 1 ] || die "usage: launch.sh RECIPE [key=value ...] (RECIPE: a script name in $RECIPES, or a .py path)"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -71,23 +70,6 @@ def test_gpu_check_fails_when_its_time_budget_is_spent(tmp_path):
         in done.stdout, done.stdout + done.stderr
     assert done.returncode == 1 and result["failures"] == ["megatron"]
     assert result["parts"]["megatron"]["steps"] == [] and result["env"] is None   # no time even for the dump
-
-
-def test_the_check_installs_the_images_versions():
-    """requirements/gpu_check.txt: megatron-core as the Dockerfile's engine stage installs it, every
-    other pin as requirements/locks/image.txt has it (the image's Python set)."""
-    def pins(path, pattern=r"^([A-Za-z0-9_.-]+)==([^\s\\#]+)"):   # name -> its first pin in the file
-        found = {}
-        with open(os.path.join(ROOT, path)) as handle:
-            for match in filter(None, map(re.compile(pattern).match, handle)):
-                found.setdefault(match.group(1).lower().replace("_", "-"), match.group(2))
-        return found
-
-    wanted = pins("requirements/gpu_check.txt")
-    dockerfile = pins("Dockerfile", r"^ARG (MEGATRON_CORE)_VERSION=(\S+)")   # the engine stage's, first
-    assert wanted.pop("megatron-core") == dockerfile["megatron-core"] == "0.19.2"
-    image = pins("requirements/locks/image.txt")
-    assert wanted and {name: image.get(name) for name in wanted} == wanted
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from quatro_nemo.engine.memory_phases import host_memory_kb as memory_kb, reset_host_peak  # noqa: E402
+from quatro_nemo.engine.phase_peaks import host_memory_kb as memory_kb, reset_host_peak  # noqa: E402
 
 # The probe's model: qwen2-style (RMSNorm, SwiGLU, GQA, RoPE), float32, untied, ~41 M parameters,
 # so that training state (16 bytes per parameter) dwarfs activations and logits.

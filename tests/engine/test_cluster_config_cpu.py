@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from quatro_nemo.engine.config import load_config
 from quatro_nemo.engine.logging import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -87,7 +88,8 @@ def test_quatro_7b_config_trains_two_steps_at_tp2_with_the_fake_engine(tmp_path)
         start = engine["events"][0]
         # conf/quatro_7b.yaml's vllm: section: one engine over the two tensor-parallel ranks
         assert start["tensor_parallel_size"] == 2 and start["gpu_memory_utilization"] == 0.5
-        assert start["max_num_seqs"] == 256 and start["enable_sleep_mode"] is True and start["max_model_len"] == 512
+        assert start["max_num_seqs"] == load_config(["config=quatro_7b"]).vllm.max_num_seqs   # the planner's (324)
+        assert start["enable_sleep_mode"] is True and start["max_model_len"] == 512
         # eval at step 0, the rollouts of steps 0 and 1, the final eval
         assert len(engine["pushes"]) == 4
         requests = [r for event in engine["events"] if event["call"] == "generate" for r in event["requests"]]

@@ -167,6 +167,17 @@ def test_a_run_saved_with_quatros_flat_keys_validates_to_the_nested_config(tmp_p
     (["rollout.importance_correction=token"], "rollout.importance_correction"),   # megatron: no engine gap
     (["rollout.backend=vllm", "rollout.importance_correction=tokens"], "rollout.importance_correction"),
     (["rollout.importance_cap=0"], "rollout.importance_cap"),
+    (["rollout.pipeline.max_staleness=-1"], "rollout.pipeline.max_staleness"),
+    (["rollout.pipeline.max_staleness=1.5"], "rollout.pipeline.max_staleness"),
+    (["rollout.pipeline.ess_floor=1.5"], "rollout.pipeline.ess_floor"),
+    (["rollout.pipeline.correction=decoupled"], "rollout.pipeline.correction"),
+    (["rollout.pipeline.weight=token"], "rollout.pipeline.weight"),
+    (["rollout.pipeline.executor=threads"], "rollout.pipeline.executor"),
+    (["rollout.pipeline.executor=process", "parallel.tensor=2"], "rollout.pipeline.executor=process needs parallel.tensor=1"),
+    (["rollout.pipeline.executor=process", "rollout.backend=vllm", "trainer.device=cpu"], "rollout.backend=vllm"),
+    (["rollout.pipeline.take_timeout_s=0"], "rollout.pipeline.take_timeout_s"),
+    (["rollout.pipeline.max_staleness=1", "rollout.backend=vllm", "rollout.importance_correction=token"],
+     "rollout.pipeline.correction=proximal"),
     (["config=does_not_exist"], "does_not_exist"),
     (["no_equals_sign"], "no_equals_sign"),
 ])
@@ -174,6 +185,35 @@ def test_invalid_values_fail_at_start_up_naming_the_key(argv, named):
     with pytest.raises(ConfigError) as error:
         load_config(argv)
     assert named in str(error.value)
+
+
+@pytest.mark.parametrize("setting, backend, params_dtype, resolved", [
+    ("auto", "megatron", "float32", "none"),     # the trained model samples: the same kernels
+    ("auto", "megatron", "bfloat16", "none"),
+    ("auto", "vllm", "float32", "none"),         # different kernels, float32: rounding-level gap
+    ("auto", "vllm", "bfloat16", "token"),       # bf16 vLLM vs megatron/TE: truncated IS per token
+    ("none", "vllm", "bfloat16", "none"),        # an explicit setting is kept
+    ("sequence", "vllm", "float32", "sequence"),
+])
+def test_importance_correction_auto_resolves_by_backend_and_precision(setting, backend, params_dtype, resolved):
+    from quatro_nemo.engine.config import resolve_importance_correction
+
+    assert resolve_importance_correction(setting, backend, params_dtype) == resolved
+
+
+@pytest.mark.parametrize("argv, resolved", [
+    ([], "none"),                                                     # the CPU default: megatron sampler
+    (["config=cpu_vllm"], "none"),                                    # vLLM's CPU build, float32
+    (["config=quatro_7b"], "token"),                                  # bf16 vLLM on GPUs
+    (["config=quatro_7b", "rollout.importance_correction=none"], "none"),
+])
+def test_the_resolved_importance_correction_is_what_the_run_uses_and_saves(argv, resolved, tmp_path):
+    cfg = load_config(argv)
+    assert cfg.rollout.importance_correction == resolved
+    saved = tmp_path / "config.yaml"
+    OmegaConf.save(cfg.raw, saved)  # what the loop writes to the run directory
+    assert OmegaConf.load(saved).rollout.importance_correction == resolved
+    assert validate(OmegaConf.load(saved)).rollout.importance_correction == resolved
 
 
 def _train_recipe():

@@ -1,6 +1,7 @@
 """Pure pieces of the training loop: data position, data-parallel slots."""
 
-from quatro_nemo.engine.loop import local_prompt_slots, step_prompt_indices
+from quatro_nemo.engine.loop import local_prompt_slots
+from quatro_nemo.engine.step_rollout import step_prompt_indices
 
 
 def test_prompt_stream_is_a_pure_function_of_the_step_and_covers_each_epoch_once():

@@ -42,9 +42,7 @@ def _rollouts(rank, out_dir):
     second_half = backend.generate(prompts[2:], 3, params, first_prompt_index=2)
     rows = [p for p in prompts for _ in range(3)]
     direct = generate(model, rows, params, stop_token_ids=[2], pad_id=0, sequence_ids=list(range(12)))
-    cooler = backend.generate(prompts[:1], 2, SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=3, seed=4))
-    torch.save(dict(whole=whole, second_half=second_half, direct=direct, prompts=prompts, cooler=cooler),
-               f"{out_dir}/r.pt")
+    torch.save(dict(whole=whole, second_half=second_half, direct=direct, prompts=prompts), f"{out_dir}/r.pt")
 
 
 @pytest.mark.distributed
@@ -66,6 +64,19 @@ def test_grouped_layout_and_prompt_offsets(tmp_path):
     padded = pad_to_length(half.sample, length + 3, pad_id=0)
     assert padded.tokens.shape[1] == length + 3 and padded.response_mask.shape[1] == length + 2
     assert (padded.tokens[:, length:] == 0).all()
-    # the sampler's log-probs are pi's at temperature 1 (engine_gap/* compares them with the
-    # trainer's); at another temperature they are of softmax(logits / T): no engine gap then
-    assert torch.equal(whole.engine_logprobs, whole.sample.logprobs) and r["cooler"].engine_logprobs is None
+
+
+def test_the_engine_gap_compares_the_engines_log_probs_else_the_samplers_own_at_temperature_one():
+    from quatro_nemo.engine.rollout import RolloutBatch
+    from quatro_nemo.megatron.sampling import SampleOutput
+
+    sampler = torch.tensor([[0.0, -1.5, -0.25]])
+    sample = SampleOutput(tokens=torch.tensor([[1, 5, 6, 2]]), response_mask=torch.tensor([[0.0, 1.0, 1.0]]),
+                          logprobs=sampler, prompt_lengths=torch.tensor([2]), response_lengths=torch.tensor([2]),
+                          finished=torch.tensor([True]))
+    megatron = RolloutBatch(sample=sample, num_prompts=1, num_samples=1)
+    # the sampler's log-probs are of softmax(logits / T): pi's only at T = 1
+    assert megatron.gap_logprobs(1.0) is sampler and megatron.gap_logprobs(0.7) is None
+    engine = torch.tensor([[0.0, -1.4, -0.3]])
+    vllm = RolloutBatch(sample=sample, num_prompts=1, num_samples=1, engine_logprobs=engine)
+    assert vllm.gap_logprobs(1.0) is engine and vllm.gap_logprobs(0.7) is engine   # raw log-probs: any T

@@ -50,7 +50,11 @@ def reference_run(tmp_path_factory, warm_cache):
                    "trainer.inner_loops=2", "trainer.mini_batch_prompts=4", "trainer.lr=3e-3"]
     code, output = finish(run_train(args))
     assert code == 0, output
+    Path(run_dir, STDOUT).write_text(output)
     return args, run_dir
+
+
+STDOUT = "stdout.txt"   # the reference run's output (stdout and stderr: a pipe, no terminal)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +99,28 @@ def test_every_algorithm_runs_through_the_same_loop(algorithm, every_algorithm):
         table = [line for line in f.read().splitlines() if line.startswith("| reward/mean |")]
     assert table and table[0] in output.splitlines(), (table, output[-2000:])
     assert os.path.exists(os.path.join(run_dir, "config.yaml"))
+
+
+def test_a_run_without_a_terminal_prints_one_line_per_logged_step(reference_run):
+    """Where no tqdm bar shows (SLURM logs, pipes) rank 0 prints each logged step's own numbers:
+    reward, KL to pi_ref, sampled tokens per second, step time and the ETA from the mean step time."""
+    from quatro_nemo.engine.progress import format_duration
+
+    args, run_dir = reference_run
+    lines = [line for line in Path(run_dir, STDOUT).read_text().splitlines() if line.startswith("[quatro] step ")]
+    records = [r for r in train_records(run_dir) if r["kind"] == "train"]
+    assert len(lines) == len(records) == 5
+    sequences = 8 * 4   # TINY: trainer.prompts_per_step x rollout.n
+    for index, (line, record) in enumerate(zip(lines, records)):
+        seconds = record["time/step"]
+        expected = [f"[quatro] step {record['step']}/5", f"reward {record['reward/mean']:.3f}"]
+        if "policy/kl_ref" in record:   # absent for a step without an update
+            expected.append(f"kl_ref {record['policy/kl_ref']:.4f}")
+        mean = sum(r["time/step"] for r in records[:index + 1]) / (index + 1)
+        expected += [f"{record['response_length/mean'] * sequences / seconds:,.0f} tok/s", f"step {seconds:.1f} s",
+                     f"ETA {format_duration(mean * (5 - record['step']))}"]
+        assert line.split(" | ") == expected
+    assert lines[-1].endswith("ETA 0s")
 
 
 def test_multirun_trains_each_job_in_its_own_run_directory(every_algorithm):

@@ -46,6 +46,19 @@ def test_dockerfile_passes_hadolint():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_dockerfile_names_one_interpreter_and_installs_existing_locks():
+    """vLLM's image has python3 and no python: every command, the ranks' QUATRO_PYTHON and the
+    container default say python3, and pip runs as `python3 -m pip` (that interpreter's own)."""
+    text = (ROOT / "Dockerfile").read_text()
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert not re.findall(r"(?<![\w./-])python(?![\w.])", code), "a bare `python` in the Dockerfile"
+    assert not re.findall(r"(?<!-m )\bpip (?:install|check)", code), "pip not run as python3 -m pip"
+    assert "QUATRO_PYTHON=python3" in code
+    assert "QUATRO_CONTAINER_PYTHON:-python3}" in (ROOT / "slurm/lib/common.sh").read_text()
+    for lock in re.findall(r"requirements/locks/[\w.-]+\.txt", code):
+        assert (ROOT / lock).is_file(), f"the Dockerfile installs {lock}, which does not exist"
+
+
 def sbatch_directives(template: str) -> list:
     """The #SBATCH options sbatch reads: it stops at the first line that is not a comment."""
     options = []
@@ -104,7 +117,8 @@ def recipes_dir(tmp_path):
 def launch(recipes_dir, *args, **env):
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                                        "MASTER_", "QUATRO_CACHE_DIR", "TRITON_",
-                                                                       "TORCHINDUCTOR_", "VLLM_", "QUATRO_NGC_"))}
+                                                                       "TORCHINDUCTOR_", "VLLM_", "QUATRO_CUDA_",
+                                                                       "LD_LIBRARY_PATH"))}
     return subprocess.run(["bash", str(ROOT / "slurm/lib/launch.sh"), *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=60,
                           env={**clean, "QUATRO_RECIPES_DIR": str(recipes_dir), **env})
@@ -148,20 +162,48 @@ def test_launch_refuses_a_multi_rank_step_without_rendezvous(recipes_dir):
     assert "MASTER_ADDR/MASTER_PORT not set" in result.stderr
 
 
-def test_launch_chains_the_ngc_entrypoint_once_before_the_recipe(recipes_dir, tmp_path):
-    # NGC's entrypoint loads CUDA's forward-compatibility libraries on an older driver; pyxis does
-    # not run an image's entrypoint, so launch.sh runs itself through it (once: no loop).
-    entrypoint = tmp_path / "nvidia_entrypoint.sh"
-    entrypoint.write_text(f'#!/bin/bash\necho ran >> {tmp_path}/entrypoint.log\n'
-                          'export LD_LIBRARY_PATH=/usr/local/cuda/compat/lib\nexec "$@"\n')
-    entrypoint.chmod(0o755)
-    (recipes_dir / "show.py").write_text("import os, sys; print(os.environ['LD_LIBRARY_PATH'], *sys.argv[1:])")
-    result = launch(recipes_dir, "show", "algorithm.delta=0.05", QUATRO_NGC_ENTRYPOINT=str(entrypoint))
+@pytest.mark.parametrize("driver, compat_first", [
+    ("550.54.15", True),     # R550 < R580 (CUDA 13.0's branch): the forward-compatibility libraries
+    ("575.57.08", True),
+    ("580.65.06", False),    # R580 runs CUDA 13.0 itself
+    ("590.10.01", False),
+    (None, False),           # nvidia-smi fails (no GPU in this step): nothing changes
+])
+def test_launch_puts_cuda_compat_first_before_python_only_for_an_older_driver(recipes_dir, tmp_path, driver,
+                                                                            compat_first):
+    """The dynamic linker reads LD_LIBRARY_PATH once, as a process starts: launch.sh sets it before
+    Python, for recipes and plain commands alike, from the first GPU's driver branch."""
+    tools, compat = tmp_path / "bin", tmp_path / "compat"
+    tools.mkdir()
+    compat.mkdir()
+    smi = f"#!/bin/sh\nprintf '{driver}\\n{driver}\\n'\n" if driver else "#!/bin/sh\nexit 9\n"
+    (tools / "nvidia-smi").write_text(smi)
+    (tools / "nvidia-smi").chmod(0o755)
+    (recipes_dir / "show.py").write_text("import os, sys; print(os.environ.get('LD_LIBRARY_PATH'), *sys.argv[1:])")
+    env = dict(PATH=f"{tools}:{os.environ['PATH']}", QUATRO_CUDA_COMPAT_DIR=str(compat), LD_LIBRARY_PATH="/usr/lib/x")
+    expected = f"{compat}:/usr/lib/x" if compat_first else "/usr/lib/x"
+    result = launch(recipes_dir, "show", "algorithm.delta=0.05", **env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["/usr/local/cuda/compat/lib", "algorithm.delta=0.05"]
-    assert (tmp_path / "entrypoint.log").read_text() == "ran\n"
-    command = launch(recipes_dir, "bash", "-c", "echo $LD_LIBRARY_PATH", QUATRO_NGC_ENTRYPOINT=str(entrypoint))
-    assert command.stdout.strip() == "/usr/local/cuda/compat/lib"  # plain commands too
+    assert result.stdout.split() == [expected, "algorithm.delta=0.05"]
+    assert ("CUDA forward compatibility" in result.stderr) == compat_first
+    command = launch(recipes_dir, "bash", "-c", "echo $LD_LIBRARY_PATH", **env)
+    assert command.stdout.strip() == expected
+    # the same driver without the compat folder in the image, or with it switched off: nothing
+    for off in ({"QUATRO_CUDA_COMPAT_DIR": str(tmp_path / "absent")}, {"QUATRO_CUDA_COMPAT_DIR": ""}):
+        assert launch(recipes_dir, "show", **{**env, **off}).stdout.split() == ["/usr/lib/x"]
+
+
+def test_launch_compat_threshold_is_the_images_cuda_branch(recipes_dir, tmp_path):
+    """The aligner image's CUDA 12.5 wants R555 (the Dockerfile sets QUATRO_CUDA_MIN_DRIVER per stack)."""
+    tools, compat = tmp_path / "bin", tmp_path / "compat"
+    tools.mkdir()
+    compat.mkdir()
+    (tools / "nvidia-smi").write_text("#!/bin/sh\necho 550.54.15\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    (recipes_dir / "show.py").write_text("import os; print(os.environ.get('LD_LIBRARY_PATH'))")
+    env = dict(PATH=f"{tools}:{os.environ['PATH']}", QUATRO_CUDA_COMPAT_DIR=str(compat))
+    assert launch(recipes_dir, "show", QUATRO_CUDA_MIN_DRIVER="555", **env).stdout.strip() == str(compat)
+    assert launch(recipes_dir, "show", QUATRO_CUDA_MIN_DRIVER="535", **env).stdout.strip() == "None"
 
 
 def test_launch_names_a_missing_recipe_and_runs_plain_commands(recipes_dir):
@@ -246,7 +288,7 @@ def test_container_flags_with_pyxis_and_refusal_without(tmp_path):
         "--container-mounts=/repo:/repo,/scratch/runs:/scratch/runs,/data:/data",
         f"--container-workdir={ROOT}",
         "--no-container-mount-home",  # compile caches and configs in $HOME stay out of the job
-        "python",
+        "python3",                    # the image's one interpreter name (Dockerfile)
     ]
     refused = bash_common(snippet, env={"PATH": f"{without}:{os.environ['PATH']}"})
     assert refused.returncode == 2 and "no pyxis" in refused.stderr
@@ -291,14 +333,13 @@ def test_comm_defaults_are_exported_and_yield_to_the_environment():
 
 
 def test_gloo_follows_the_nccl_interface_and_compute_nodes_stay_offline():
-    """megatron and vLLM build Gloo groups over all ranks: they must use the fabric NCCL is told to;
-    vLLM's usage reports and hub downloads are off unless the user says otherwise."""
+    """megatron and vLLM build Gloo groups over all ranks: they must use the fabric NCCL is told to
+    (the interface found without it: test_network_defaults.py); vLLM's usage reports and hub
+    downloads are off unless the user says otherwise."""
     keys = ["GLOO_SOCKET_IFNAME", "VLLM_NO_USAGE_STATS", "HF_HUB_OFFLINE"]
     show = "quatro_export_comm_defaults; for k in " + " ".join(keys) + '; do echo "$k=${!k:-}"; done'
     given = bash_common(f"unset {' '.join(keys)}; SLURM_JOB_ID=1; {show}", env={"NCCL_SOCKET_IFNAME": "ib0"})
     assert given.stdout.splitlines() == ["GLOO_SOCKET_IFNAME=ib0", "VLLM_NO_USAGE_STATS=1", "HF_HUB_OFFLINE=1"]
-    plain = bash_common(f"unset {' '.join(keys)} NCCL_SOCKET_IFNAME; SLURM_JOB_ID=1; {show}")
-    assert plain.stdout.splitlines()[0] == "GLOO_SOCKET_IFNAME="
     mine = bash_common(f"SLURM_JOB_ID=1; {show}", env={"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "eth1",
                                                       "HF_HUB_OFFLINE": "0"})
     assert mine.stdout.splitlines() == ["GLOO_SOCKET_IFNAME=eth1", "VLLM_NO_USAGE_STATS=1", "HF_HUB_OFFLINE=0"]

@@ -1,6 +1,15 @@
-"""The GPU image's Python stack, tested where the image cannot be built: a fresh environment gets
-what the Dockerfile's engine stage puts into the image's Python, from the same locks, then must
-pass ``pip check`` and train the 2-step CPU default (its model and task; a 40-step warm-start).
+"""The GPU image's Python stack, tested where the image cannot be built.
+
+1. The image's compiled part resolves against the image's torch: scripts/lock.sh's own commands
+   for ``locks/image-build.txt`` and ``locks/image-stack.txt`` (megatron-core, Transformer Engine
+   for CUDA 13, their build tools) run again with this environment's torch (PyPI's torch 2.13.0,
+   the image's), which the sdist of TE's PyTorch extension computes its requirements from (torch
+   and ``transformer_engine_cu<torch's CUDA major>``), against vLLM 0.32.0's pins; they must
+   succeed and give the committed pins. Seconds with uv's cache; needs PyPI, like the rest of
+   this suite's environment (skipped when pypi.org cannot be reached).
+2. A fresh environment gets what the Dockerfile's final stage puts into the image's Python, from
+   the same locks, then must pass ``pip check`` and train the 2-step CPU default (its model and
+   task; a 40-step warm-start).
 
 The Dockerfile installs ``requirements/locks/image.txt`` (the project's pure-Python set, hash-
 checked, ``--no-deps``) over a base that provides torch, numpy and megatron-core (vLLM's image plus
@@ -13,7 +22,10 @@ cache of the cluster lock's wheels from ``scripts/setup_cluster_env.sh``).
 """
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +35,8 @@ import pytest
 
 from .conftest import REPO, TRAIN, launch_environment
 
-pytestmark = pytest.mark.slow
-
 LOCKS = REPO / "requirements" / "locks"
+COMPILED_PART = ("image-build", "image-stack")     # scripts/lock.sh's names
 BASE = ("torch", "numpy", "megatron-core")  # what the image's stack provides (image-overrides.txt)
 MAX_LOCK_BYTES = 2_000_000
 
@@ -64,6 +75,29 @@ def base_requirements(cluster: Dict[str, List[str]]) -> str:
     return "\n".join(line for name in sorted(needed) for line in cluster[name] if not line.strip().startswith("#")) + "\n"
 
 
+def pinned(path: Path) -> Dict[str, str]:
+    """{package: version} of a lock file."""
+    return {name: lines[0].split("==", 1)[1].split()[0] for name, lines in lock_entries(path).items()}
+
+
+def test_the_images_compiled_part_resolves_against_the_images_torch(tmp_path):
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=10).close()
+    except OSError as err:
+        pytest.skip(f"PyPI unreachable ({err}): the resolver needs its metadata")
+    for name in COMPILED_PART:         # uv keeps a committed pin that still satisfies
+        shutil.copy(LOCKS / f"{name}.txt", tmp_path / f"{name}.txt")
+    env = dict(os.environ, QUATRO_LOCKS=" ".join(COMPILED_PART), QUATRO_LOCK_DIR=str(tmp_path),
+               UV=str(Path(sys.prefix) / "bin" / "uv"), QUATRO_IMAGE_TORCH_PYTHON=sys.executable)
+    resolved = subprocess.run(["bash", "scripts/lock.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=600)
+    assert resolved.returncode == 0, resolved.stderr[-4000:]
+    for name in COMPILED_PART:
+        assert pinned(tmp_path / f"{name}.txt") == pinned(LOCKS / f"{name}.txt"), \
+            f"locks/{name}.txt is not what the resolver gives today: bash scripts/lock.sh"
+
+
+@pytest.mark.slow
 def test_the_image_python_set_installs_from_its_lock_passes_pip_check_and_trains(tmp_path):
     env_dir, uv = tmp_path / "image-python", Path(sys.prefix) / "bin" / "uv"
     base_lock = tmp_path / "image-base.txt"

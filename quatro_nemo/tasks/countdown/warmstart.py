@@ -170,7 +170,7 @@ def train_base_model(task: CountdownTaskConfig, tokenizer_config: TokenizerConfi
             f"size {tokenizer.vocab_size}"
         )
     torch.manual_seed(config.seed)
-    model = build_model(model_config)
+    model = build_model(model_config, megatron_ddp=False)  # trained by torch AdamW below
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.98),
                                   weight_decay=config.weight_decay)

@@ -13,8 +13,16 @@ this. It implements exactly the calls the backend makes, and checks them as vLLM
 - ``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`` calls the worker's
   in-place reload (in-process engine core), which takes HF Qwen2 ``(name, tensor)`` pairs and
   refuses unknown names, wrong shapes and an incomplete set; ``reset_prefix_cache()``.
-- ``sleep(level)`` / ``wake_up(tags)``: level 2 discards the weights; ``generate`` refuses to
-  sample asleep or without a full set of weights.
+- ``sleep(level)`` / ``wake_up(tags)`` as vLLM 0.32.0's ``LLM`` -> ``EngineCore`` -> ``Executor``
+  (``vllm/v1/engine/core.py``, ``vllm/v1/executor/abstract.py``): sleep frees the tags
+  ``weights`` and ``kv_cache`` (level 2 discards the weights, level 1 keeps them); wake_up takes
+  tags back (``scheduling`` is dropped, None wakes all) and returns whether the engine is fully
+  awake. Where the real one logs a warning and does nothing (sleep while asleep; wake_up while
+  awake, or with a tag that is not asleep, which then wakes none of the others either) the fake
+  raises: the backend would go on believing a state the engine is not in. A push into asleep
+  weights (freed memory on a GPU) is refused, and ``generate`` refuses to sample while any tag
+  sleeps (vLLM's scheduler stays paused until every tag is awake: it would wait forever) or
+  without a full set of weights.
 - ``generate(prompts, sampling_params, use_tqdm)`` returns, per request, tokens drawn by a seeded
   rule (:func:`sample_tokens`) with their log-probs, stopping with the stop token.
 
@@ -112,9 +120,13 @@ class _Model:
 
 class _Worker:
     def __init__(self, engine: "LLM"):
+        self.engine = engine
         self.model = _Model(engine)
 
     def reload_weights(self, weights_iterator):
+        if "weights" in self.engine.asleep_tags:
+            raise RuntimeError("fake vLLM: reload_weights() while the weights sleep (their GPU memory is unmapped: "
+                               "wake_up(tags=['weights']) first)")
         self.model.load_weights(weights_iterator)
 
 
@@ -175,21 +187,35 @@ class LLM:
         self.events.append({"call": "reset_prefix_cache"})
         return True
 
-    def sleep(self, level: int):
+    def sleep(self, level: int = 1, mode: str = "abort"):
         if not self.kwargs["enable_sleep_mode"]:
             raise RuntimeError("fake vLLM: sleep() without enable_sleep_mode")
-        self.events.append({"call": "sleep", "level": level})
+        if level not in (1, 2):
+            raise NotImplementedError(f"fake vLLM: sleep(level={level}) (level 0 pauses scheduling only) is not modelled")
+        if "weights" in self.asleep_tags:
+            raise RuntimeError("fake vLLM: sleep() while asleep: vLLM ignores it ('Executor is already sleeping.')")
+        self.events.append({"call": "sleep", "level": level, "mode": mode})
         self.asleep_tags = {"weights", "kv_cache"}
         if level == 2:
             self.weights = None
 
-    def wake_up(self, tags: List[str]):
-        self.events.append({"call": "wake_up", "tags": list(tags)})
-        self.asleep_tags -= set(tags)
+    def wake_up(self, tags: Optional[List[str]] = None) -> bool:
+        wanted = None if tags is None else [tag for tag in tags if tag != "scheduling"]
+        if wanted is None or wanted:
+            if not self.asleep_tags:
+                raise RuntimeError("fake vLLM: wake_up() while awake: vLLM ignores it ('Executor is not sleeping.')")
+            missing = [tag for tag in (wanted or []) if tag not in self.asleep_tags]
+            if missing:
+                raise RuntimeError(f"fake vLLM: wake_up(tags={tags}): {missing} not in the sleeping tags "
+                                   f"{sorted(self.asleep_tags)}; vLLM logs a warning and wakes none of the tags")
+            self.asleep_tags = set() if wanted is None else self.asleep_tags - set(wanted)
+        self.events.append({"call": "wake_up", "tags": None if tags is None else list(tags)})
+        return not self.asleep_tags
 
     def generate(self, prompts, sampling_params, use_tqdm: bool):
         if self.asleep_tags:
-            raise RuntimeError(f"fake vLLM: generate() while asleep ({sorted(self.asleep_tags)})")
+            raise RuntimeError(f"fake vLLM: generate() while asleep ({sorted(self.asleep_tags)}): vLLM's scheduler "
+                               "stays paused until every tag is awake")
         if self.weights is None:
             raise RuntimeError("fake vLLM: generate() without weights (no push since start or since sleep(level=2))")
         if len(prompts) != len(sampling_params):

@@ -1,4 +1,4 @@
-"""PhasePeaks (quatro_nemo/engine/memory_phases.py): each phase's host peak from the kernel's own
+"""PhasePeaks (quatro_nemo/engine/phase_peaks.py): each phase's host peak from the kernel's own
 high-water mark, reset between phases; on CUDA, torch's peaks reset at each phase's start (torch.cuda
 faked at its boundary here: the figures are the fake's, by hand); recurring phases merged."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quatro_nemo.engine import memory_phases
-from quatro_nemo.engine.memory_phases import PhasePeaks, host_memory_kb, reset_host_peak
+from quatro_nemo.engine import phase_peaks
+from quatro_nemo.engine.phase_peaks import PhasePeaks, host_memory_kb, reset_host_peak
 
 pytestmark = pytest.mark.skipif(not reset_host_peak(), reason="the kernel refuses to reset VmHWM here")
 BLOCK = 300 * 2**20
@@ -34,9 +34,9 @@ def test_each_phase_has_its_own_host_peak():
 def test_a_recurring_phase_adds_seconds_and_keeps_the_larger_peak(monkeypatch):
     # made; each phase: started, measured, the next phase started
     clock = iter([0.0, 10.0, 12.0, 50.0, 100.0, 103.0, 150.0])
-    monkeypatch.setattr(memory_phases.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(phase_peaks.time, "perf_counter", lambda: next(clock))
     peaks = iter([5 * 2**20, 2 * 2**20])   # kB of VmHWM at each phase's end
-    monkeypatch.setattr(memory_phases, "host_memory_kb", lambda field: next(peaks))
+    monkeypatch.setattr(phase_peaks, "host_memory_kb", lambda field: next(peaks))
     phases = PhasePeaks()
     with phases.phase("save"):   # 10.0 -> 12.0
         pass
