@@ -10,10 +10,10 @@ every command), ``PART.skipped``, ``env.json``, ``engine.json``, ``hf.json`` and
 samples, MiB). A part passes when each of its commands exited 0 and its checks hold:
 
 - training parts: steps 1..N logged (N: the last command's ``trainer.steps``), the later command
-  resumed, an optimizer step in every step with a finite gradient norm; every step's engine gap within :data:`ENGINE_GAP_LIMITS` (logged at least once); for
-  ``vllm``, every push's ``engine_push/*_rel_err`` below :data:`PUSH_REL_ERR_MAX` (logged at least
-  once) and no weight-load warning of vLLM (:data:`WEIGHT_LOAD_WARNING`) in its log about a layer
-  with weights;
+  resumed, an optimizer step in every step with a finite gradient norm; every step's engine gap
+  within :data:`ENGINE_GAP_LIMITS` (logged at least once); for ``vllm``, every push's
+  ``engine_push/*_rel_err`` below :data:`PUSH_REL_ERR_MAX` (logged at least once) and no
+  weight-load warning of vLLM (:data:`WEIGHT_LOAD_WARNING`) in its log about a layer with weights;
 - ``engine``: the probe ran every stage and vLLM logged no weight-load warning during its push;
 - ``hf``: the logits and the exported tensors matched (scripts/gpu_check_hf.py).
 
@@ -122,8 +122,9 @@ def phase_figures(records: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
 
 
 def against_plan(phases: Dict[str, Dict[str, Any]], plan: Optional[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Per planned phase: the planner's GB per rank (None: "not planned") and the measured peak
-    (the device's on CUDA, else the host's), with their ratio."""
+    """Per planned phase: the planner's GPU GB per rank (None: "not planned") and the measured peak
+    (the device's on CUDA, else the host's), with their ratio where both are the device's; for the
+    save, the planned and measured host memory per rank as well."""
     planned = (plan or {}).get("phases") or {}
     out = {}
     for name in PLANNED_PHASES:
@@ -131,7 +132,7 @@ def against_plan(phases: Dict[str, Dict[str, Any]], plan: Optional[Dict[str, Any
         value = measured.get("device_peak_gb", measured.get("host_peak_gb"))
         entry = {"planned_gb": planned.get(name), "measured_gb": value,
                  "measured_on": "device" if "device_peak_gb" in measured else "host"}
-        if entry["planned_gb"] and value is not None:
+        if entry["planned_gb"] and value is not None and entry["measured_on"] == "device":
             entry["measured_over_planned"] = value / entry["planned_gb"]
         out[name] = entry
     if plan and "host_save_gb_per_rank" in plan:
@@ -264,9 +265,10 @@ def training_lines(part: str, result: Dict[str, Any]) -> List[str]:
         if figures is None:
             lines.append(f"{part}: phase {name:<8} not measured")
             continue
-        planned = "not planned" if entry.get("planned_gb") is None else (
-            f"planned {entry['planned_gb']:.2f} GB, measured/planned {entry.get('measured_over_planned', 0):.2f}")
-        host = (f" | save host memory per rank planned {gb(entry['host_planned_gb'])}"
+        planned = "not planned" if entry.get("planned_gb") is None else f"planned {entry['planned_gb']:.2f} GB"
+        if "measured_over_planned" in entry:
+            planned += f", device peak / planned {entry['measured_over_planned']:.2f}"
+        host = (f" | host per rank planned {gb(entry['host_planned_gb'])}, measured {gb(entry['host_measured_gb'])}"
                 if "host_planned_gb" in entry else "")
         seconds = " + ".join(f"{s:.1f}" for s in figures["seconds"])
         lines.append(f"{part}: phase {name:<8} {seconds} s | peak allocated {gb(figures.get('peak_allocated_gb'))}, "

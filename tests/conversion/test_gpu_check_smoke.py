@@ -102,7 +102,7 @@ def _check_folder(tmp_path, part, train, log_lines=(), plan=None):
     (folder / part / "config.yaml").write_text("trainer: {prompts_per_step: 4}\nrollout: {n: 2}\n")
     phases = {"step": 3, "kind": "phases", "save/seconds": 2.5, "save/peak_allocated_gb": 3.0,
               "save/peak_reserved_gb": 4.0, "save/reserved_gb": 3.5, "save/device_used_gb": 5.0,
-              "save/host_peak_gb": 9.0}
+              "save/host_peak_gb": 9.0, "eval/seconds": 1.0, "eval/host_peak_gb": 8.0}   # eval: as on the CPU
     (folder / part / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*train, phases]))
     (folder / f"{part}.log").write_text("\n".join(["[quatro] quatro | world 1 | steps 2->3 | run dir x",
                                                    *log_lines]))
@@ -133,7 +133,7 @@ def test_report_fails_when_no_part_ran(tmp_path, monkeypatch):
 
 
 def test_report_passes_a_clean_vllm_run_and_compares_its_phases_with_the_plan(tmp_path, monkeypatch):
-    plan = {"train_phase_gb": 20.0, "phases": {"save": 10.0, "train": 20.0}, "host_save_gb_per_rank": 12.0}
+    plan = {"train_phase_gb": 20.0, "phases": {"save": 10.0, "eval": 5.0}, "host_save_gb_per_rank": 12.0}
     # every reload warns about the rotary embedding's computed cos/sin cache (vLLM 0.32.0, seen on the CPU build)
     rotary = "WARNING 12-04 16:11:06 [layerwise.py:266] RotaryEmbedding: Failed to load weights"
     folder = _check_folder(tmp_path, "vllm", [_train_record(s, push=GOOD_PUSH) for s in (1, 2, 3)], [rotary], plan)
@@ -144,6 +144,10 @@ def test_report_passes_a_clean_vllm_run_and_compares_its_phases_with_the_plan(tm
     assert save["measured_gb"] == pytest.approx(5.5) and save["measured_over_planned"] == pytest.approx(0.55)
     assert (save["host_planned_gb"], save["host_measured_gb"]) == (12.0, 9.0)
     assert summary["parts"]["vllm"]["phases_vs_plan"]["resume"]["planned_gb"] is None   # "not planned"
+    # a host's peak (no CUDA figures) is no GPU's: the planned GPU memory and it are not compared
+    held_out = summary["parts"]["vllm"]["phases_vs_plan"]["eval"]
+    assert (held_out["planned_gb"], held_out["measured_gb"], held_out["measured_on"]) == (5.0, 8.0, "host")
+    assert "measured_over_planned" not in held_out
 
 
 @pytest.mark.parametrize("train,log_lines,failure", [
