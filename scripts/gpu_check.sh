@@ -86,9 +86,11 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     gpu=1
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
     total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-    # the planner sizes vLLM against this GPU unless the caller chose a size
+    # the planner plans for this GPU (its size, and vLLM's share of its exact total) unless the
+    # caller chose a size
     [[ " ${overrides[*]} " == *" cluster.gpu_memory_gb="* ]] \
-        || overrides=("cluster.gpu_memory_gb=$((total_mib * 1048576 / 1000000000))" "${overrides[@]}")
+        || overrides=("cluster.gpu_memory_gb=$((total_mib * 1048576 / 1000000000))"
+                      "cluster.gpu_total_mib=$total_mib" "${overrides[@]}")
 fi
 
 sampler=""
