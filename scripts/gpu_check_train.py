@@ -27,8 +27,9 @@ class LengthParityReward:
         return [float(len(response) % 2 == 0) for response in responses]
 
 
-def main(argv) -> int:
-    sys.path.insert(0, ROOT)
+def reward_any_policy_earns() -> None:
+    """Every task this process builds (``engine.loop.build_task``, the task's boundary) scores with
+    :class:`LengthParityReward` (also tests/vllm/test_engine_follows_trainer.py's)."""
     from quatro_nemo.engine import loop
 
     build_task = loop.build_task
@@ -39,6 +40,11 @@ def main(argv) -> int:
         return task
 
     loop.build_task = task_with_parity_reward
+
+
+def main(argv) -> int:
+    sys.path.insert(0, ROOT)
+    reward_any_policy_earns()
     spec = importlib.util.spec_from_file_location("quatro_train_recipe", os.path.join(ROOT, "recipes", "train.py"))
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
