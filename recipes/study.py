@@ -12,9 +12,13 @@
     python recipes/study.py collect=runs/sweeps/study_full-<timestamp> study.train_config=quatro_1p5b 'study.train_overrides=[]'
     python recipes/study.py --config-dir my_conf study=mine   # a study config of your own: my_conf/study/mine.yaml
 
-Each run is recipes/train.py in <out>/runs/<name>, then the study's evaluation of its final
-policy; a trained and evaluated run is skipped, so an interrupted study continues where it
-stopped. Every run's metrics are kept in <out>/metrics/ (gzip JSON lines), from which the report
+Each run is a request to the engine's front door (quatro_nemo/engine/api.py: trained as
+recipes/train.py trains, then its final policy evaluated) in <out>/runs/<name>; a run whose kept
+metrics carry its identity is skipped, so an interrupted study continues where it stopped, and so
+does a fresh clone from the committed results (``results``, default docs/study_results/<name>;
+``publish=true`` copies each run kept here there as it finishes, to be committed;
+scripts/study_background.sh runs the pre-registered studies so). Every run's metrics are kept in
+<out>/metrics/ (gzip JSON lines, led by the run's identity), from which the report
 (<out>/report.md, report.json, PNGs) states claim by claim whether the paper's claim reproduced,
 with paired statistics. See docs/study.md.
 
@@ -49,6 +53,7 @@ INTERRUPTED_EXIT_CODE = 75
 PRIMARY = "study_app"   # conf/study_app.yaml
 STUDY_GROUP = "study"   # conf/study/<name>.yaml
 MODE_KEYS = ("report_only", "estimate", "emit_sweep", "collect")
+COMMITTED_RESULTS = "docs/study_results"   # <this>/<study name>: a study's committed results
 
 
 @dataclass
@@ -58,6 +63,10 @@ class StudyRecipeConfig:
     # the chosen study config (group conf/study/); name "???" = the chosen option's name
     study: StudyConfig = field(default_factory=lambda: StudyConfig(name=MISSING))
     out: Optional[str] = None          # study directory (default runs/study_<study.name>)
+    # committed results: their kept runs with this study's identities count as done (default
+    # docs/study_results/<study.name>); publish=true copies every run kept in `out` there as it lands
+    results: Optional[str] = None
+    publish: bool = False
     # modes (at most one; none: train and evaluate every run, then report)
     report_only: bool = False          # no training: the report from <out>/metrics/
     estimate: Optional[str] = None     # a finished study's directory (or true: the committed full study's): this study's cost
@@ -68,6 +77,8 @@ class StudyRecipeConfig:
         modes = [key for key in MODE_KEYS if getattr(self, key)]
         if len(modes) > 1:
             raise ConfigError(f"config keys {' and '.join(modes)} are exclusive modes: give at most one")
+        if self.publish and modes:
+            raise ConfigError(f"config key publish: only a study that trains publishes its runs, not {modes[0]}")
         for key in ("estimate", "collect"):
             if key == "estimate" and str(self.estimate).lower() == "true":    # the committed full study's timings
                 continue
@@ -99,7 +110,7 @@ def validate(cfg: DictConfig, study_option: str) -> StudyRecipeConfig:
 def previous_info(out: str) -> dict:
     """The last full invocation's info (wall time, failed runs) and the wall time of every
     invocation that trained runs, kept when only the report is rebuilt."""
-    from quatro_nemo.study.driver import invocation_totals
+    from quatro_nemo.study.timing import invocation_totals
 
     path = os.path.join(out, "report.json")
     if not os.path.isfile(path):
@@ -110,10 +121,12 @@ def previous_info(out: str) -> dict:
 
 def run(recipe: StudyRecipeConfig) -> int:
     """The chosen mode; its exit code (ConfigError and StudyInterrupted pass on)."""
-    from quatro_nemo.study.driver import build_plan, collect_sweep, emit_sweep, run_study, write_report
+    from quatro_nemo.study.driver import collect_sweep, emit_sweep, run_study, write_report
+    from quatro_nemo.study.planner import build_plan
 
     cfg = recipe.study
     out = recipe.out or os.path.join("runs", f"study_{cfg.name}")
+    results = recipe.results or os.path.join(REPO, COMMITTED_RESULTS, cfg.name)
     if recipe.estimate:
         from quatro_nemo.study.timing import estimate_minutes
         from quatro_nemo.study.timing import COMMITTED_TIMINGS
@@ -130,7 +143,7 @@ def run(recipe: StudyRecipeConfig) -> int:
     elif recipe.report_only:
         result = write_report(cfg, build_plan(cfg, out), out, out, previous_info(out))
     else:
-        result = run_study(cfg, out)
+        result = run_study(cfg, out, results_dir=results, publish=recipe.publish)
     for claim in result["claims"]:
         print(f"{claim.verdict:>15}  {claim.id}: {claim.summary}")
     print(f"report: {result['paths']['markdown']}")

@@ -37,7 +37,7 @@ def main(argv) -> int:
 
     from quatro_nemo.engine.config import (CONF_DIR, DEFAULT_PRIMARY, HYDRA_VERSION_BASE, config_errors_exit,
                                            hydra_job_config, register_configs, run_hydra_app)
-    from quatro_nemo.engine.loop import train
+    from quatro_nemo.engine.api import RunRequest, run
     from quatro_nemo.megatron.preemption import preemption_exits
 
     register_configs()
@@ -48,7 +48,7 @@ def main(argv) -> int:
         with config_errors_exit():
             config = hydra_job_config(cfg)
         with preemption_exits():
-            train(config)
+            run(RunRequest(config))
 
     return run_hydra_app(train_job, argv)
 

@@ -6,7 +6,7 @@ data-parallel ranks. Each evaluation uses the same sampling noise (keyed by the 
 step), so differences between evaluations come from the policy, not the draw.
 
 The one evaluation path of a policy: the training loop (:func:`training_eval_settings`), the
-study (:mod:`quatro_nemo.study.evaluation`) and recipes/evaluate.py's ``checkpoint=``
+study (:mod:`quatro_nemo.engine.heldout`) and recipes/evaluate.py's ``checkpoint=``
 (:mod:`quatro_nemo.engine.generate`) all sample held-out responses with
 :func:`sample_responses`; the first two score them with :func:`evaluate_policy`.
 """

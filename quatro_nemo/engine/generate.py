@@ -12,15 +12,11 @@ import os
 from typing import Any, Dict, List, Sequence
 
 import torch
-from omegaconf import OmegaConf
 
 from quatro_nemo.engine import checkpoint as ckpt
-from quatro_nemo.engine.config import validate
 from quatro_nemo.engine.evaluation import sample_responses, training_eval_settings
 from quatro_nemo.engine.rollout import MegatronRolloutBackend
-from quatro_nemo.engine.task import build_task
-from quatro_nemo.megatron import parallel
-from quatro_nemo.megatron.models import build_model
+from quatro_nemo.engine.run_dir import RunDir
 
 
 def _run_dir_and_step(checkpoint: str):
@@ -38,16 +34,13 @@ def generate_samples(checkpoint: str, problems: Sequence[Dict[str, Any]], num_sa
                      top_p: float, max_new_tokens: int, seed: int) -> List[Dict[str, Any]]:
     """`num_samples` responses per problem: the problem records plus `responses` (the samples layout)."""
     run_dir, step = _run_dir_and_step(checkpoint)
-    cfg = validate(OmegaConf.load(os.path.join(run_dir, "config.yaml")))
-    parallel.initialize_parallel(1, 1, seed=cfg.run.seed)
-    task = build_task(cfg)
-    model = build_model(task.model_config(cfg.model))
-    ckpt.load_model_weights(run_dir, step, model)   # any training layout loads into TP=1, PP=1
-    backend = MegatronRolloutBackend(model, stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
-    settings = dataclasses.replace(training_eval_settings(cfg), n_samples=num_samples, temperature=temperature,
-                                   top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
-    with torch.no_grad():
-        _, responses = sample_responses(task, backend, problems, range(len(problems)), settings)
+    with RunDir(run_dir).load_policy(step) as loaded:    # any training layout loads into TP=1, PP=1
+        task = loaded.task
+        backend = MegatronRolloutBackend(loaded.policy, stop_token_ids=task.stop_token_ids, pad_id=task.pad_id)
+        settings = dataclasses.replace(training_eval_settings(loaded.config), n_samples=num_samples,
+                                       temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+        with torch.no_grad():
+            _, responses = sample_responses(task, backend, problems, range(len(problems)), settings)
     # the problem's own fields stay: verifiers need more than the answer (countdown: numbers, target)
     return [dict(p, benchmark=p.get("benchmark", "heldout"), responses=responses[i * num_samples:(i + 1) * num_samples])
             for i, p in enumerate(problems)]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from quatro_nemo.study.config import DEFAULT_CONDITION, QUATRO, StudyConfig, flat_fields
-from quatro_nemo.study.plan import Defaults, RunSpec, Setting, StudyPlan, make_setting, run_overrides
+from quatro_nemo.study.plan import Changes, Defaults, RunSpec, Setting, StudyPlan, make_setting, run_spec
 from quatro_nemo.study.stats import is_not_run
 
 FULL_EVALUATION_NOTE = "default-condition runs: full evaluation; stress runs: sweep_n_samples at the first top-p"
@@ -67,8 +67,8 @@ class AdaptivePlan:
                    if condition == DEFAULT_CONDITION)
 
 
-def task_overrides(task: str) -> Tuple[str, ...]:
-    return () if task == "binary" else (f"task.reward={task}",)
+def task_overrides(task: str) -> Changes:
+    return () if task == "binary" else (("task.reward", task),)
 
 
 def build_adaptive_plan(cfg: StudyConfig, defaults: Defaults) -> StudyPlan:
@@ -88,7 +88,7 @@ def build_adaptive_plan(cfg: StudyConfig, defaults: Defaults) -> StudyPlan:
                 setting = make_setting(defaults, QUATRO, **common, **fields)
                 settings[(task, condition, arm)] = setting
                 for seed in ad.seeds:
-                    spec = RunSpec(setting, seed, run_overrides(setting, seed, defaults))
+                    spec = run_spec(setting, seed, defaults)
                     runs.setdefault(spec.name, spec)
     adaptive = AdaptivePlan(list(ad.tasks), list(conditions), fixed, list(ad.strategies), list(ad.seeds), settings)
     return StudyPlan(defaults, runs, {}, [], {}, {}, [], {}, [], {}, [], adaptive=adaptive)

@@ -1,7 +1,7 @@
 """Aggregate the study's runs over seeds and test the paper's claims one by one.
 
 Every number comes from the kept metrics of the runs (``<study>/metrics/<run>.jsonl.gz``: the
-training records the loop logs, and the held-out records of :mod:`quatro_nemo.study.evaluation`
+training records the loop logs, and the held-out records of :mod:`quatro_nemo.engine.heldout`
 at each top-p) and of the base model (``metrics/base.jsonl.gz``), except the advantage vs
 number-of-correct-responses table, which is exact for binary rewards (``solve_dual``).
 
@@ -14,7 +14,6 @@ comparison's spread.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
@@ -26,14 +25,14 @@ import torch
 
 from quatro_nemo.algos import solve_dual
 from quatro_nemo.algos.step_state import ACHIEVED_KL, ACHIEVED_KL_MAX, ACHIEVED_OVER_DELTA, LR_MULTIPLIER
+from quatro_nemo.engine.heldout import EVALUATION_KIND
 from quatro_nemo.study.config import QUATRO, StudyConfig
+from quatro_nemo.study.kept import BASE, archive_path, read_archive
 from quatro_nemo.study.plan import Setting, StudyPlan, holds
 from quatro_nemo.study.stats import (NOT_TESTED, Comparison, PairedTest, decide, exact_verdict, not_run, paired_differences,
                                      paired_t)
 
-METRICS_DIR = "metrics"              # <study>/metrics/<run>.jsonl.gz: what the report is built from
-BASE = "base"                        # metrics/base.jsonl.gz: the base model's evaluation
-EVAL_KIND = "study_eval"
+EVAL_KIND = EVALUATION_KIND
 
 Extract = Callable[["RunData"], Optional[float]]
 
@@ -52,24 +51,6 @@ class RunData:
 
     def final(self, top_p: float) -> Optional[Dict[str, Any]]:
         return self.evals.get(float(top_p))
-
-
-def archive_path(study_dir: str, name: str) -> str:
-    return os.path.join(study_dir, METRICS_DIR, f"{name}.jsonl.gz")
-
-
-def write_archive(path: str, records: Sequence[Dict[str, Any]]) -> None:
-    """gzip JSON lines with a fixed header time, so the same records give the same bytes."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
-        f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
-    os.replace(tmp, path)
-
-
-def read_archive(path: str) -> List[Dict[str, Any]]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def run_from_records(name: str, records: Sequence[Dict[str, Any]]) -> Optional[RunData]:

@@ -10,7 +10,7 @@ A study is a list of training runs (recipes/train.py override sets) in four grou
                 accuracy / diversity trade-off (pass@1 against pass@n per delta).
 
 ``evaluation`` is the held-out evaluation of every run's final policy and of the base model
-(:mod:`quatro_nemo.study.evaluation`); ``alpha`` the significance level of the Holm-corrected
+(``quatro_nemo.engine.heldout``, an EvalRequest); ``alpha`` the significance level of the Holm-corrected
 paired tests (:mod:`quatro_nemo.study.stats`).
 
 A study of ``kind: adaptive`` (issue 19) trains only its ``adaptive`` section instead: QUATRO's

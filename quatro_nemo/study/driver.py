@@ -1,120 +1,58 @@
-"""One study end to end: plan -> base-model evaluation -> runs (trained then evaluated, resumable,
-a few processes at a time) -> kept metrics -> claims -> report.
+"""One study end to end: plan -> base-model evaluation -> runs (engine requests, trained then
+evaluated, resumable, a few processes at a time, each run's metrics kept as it finishes) ->
+claims -> report.
 
-The report is built from ``<out>/metrics/`` alone (one gzip JSON-lines file per run: its training
-records and its held-out evaluation; ``base.jsonl.gz`` for the base model), so
-``recipes/study.py report_only=true`` redoes the analysis without the run directories.
+The report is built from ``<out>/metrics/`` alone (one gzip JSON-lines file per run:
+quatro_nemo.study.kept; ``base.jsonl.gz`` for the base model), so ``recipes/study.py
+report_only=true`` redoes the analysis without the run directories. A run kept in the committed
+results (``results``: docs/study_results/<name>) with the same identity is done on any machine;
+with ``publish`` every run kept here is copied there as it finishes (quatro_nemo.study.results).
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from omegaconf import OmegaConf
-
-from quatro_nemo.data.schema import iter_jsonl
-from quatro_nemo.engine.config import load_config
-from quatro_nemo.engine.logging import read_metrics
-from quatro_nemo.study.analysis import (BASE, EVAL_KIND, Study, advantage_table, archive_path, evaluate_claims,
-                                        load_base, load_runs, read_archive, run_from_records,
-                                        write_archive)
-from quatro_nemo.study.config import QUATRO, StudyConfig
-from quatro_nemo.study.evaluation import STUDY_EVAL, evaluate_base
-from quatro_nemo.study.adaptive import build_adaptive_plan
+from quatro_nemo.engine.api import config_identity, identity_record
+from quatro_nemo.engine.run_dir import RunDir
 from quatro_nemo.study.adaptive_report import write_adaptive_report
-from quatro_nemo.study.plan import (Defaults, RewardOf, RunSpec, StudyPlan, build_paper_plan, read_defaults, sweep_line,
-                                    sweep_lines, train_args)
+from quatro_nemo.study.analysis import EVAL_KIND, Study, advantage_table, evaluate_claims, load_base, load_runs
+from quatro_nemo.study.config import QUATRO, StudyConfig
+from quatro_nemo.study.forkserver import encode_call
+from quatro_nemo.study.job import preload
+from quatro_nemo.study.kept import keep_run
+from quatro_nemo.study.plan import RunSpec, StudyPlan, sweep_line, sweep_lines
+from quatro_nemo.study.planner import build_plan
 from quatro_nemo.study.report import write_study_report
-from quatro_nemo.study.runner import RunResult, StudyInterrupted, execute, is_done, is_trained, run_dir
+from quatro_nemo.study.results import StudyRuns
+from quatro_nemo.study.runner import RunResult, StudyInterrupted, execute
+from quatro_nemo.study.timing import record_invocation
 
 
-def evaluation_args(cfg: StudyConfig, full: bool) -> List[str]:
-    """Arguments of ``python -m quatro_nemo.study.evaluation`` for a run (full: every top-p at
-    ``n_samples``; else the first top-p at ``sweep_n_samples``)."""
-    ev = cfg.evaluation
-    light = not full and ev.sweep_n_samples > 0
-    top_ps = ev.top_p[:1] if light else ev.top_p
-    return ["--problems", str(ev.num_problems), "--n", str(ev.sweep_n_samples if light else ev.n_samples),
-            "--top-p", *(repr(float(p)) for p in top_ps), "--temperature", repr(float(ev.temperature)),
-            "--seed", str(ev.seed)]
-
-
-
-
-def ensure_base_evaluation(cfg: StudyConfig, study_dir: str, log: Callable[[str], None] = print) -> None:
-    """Evaluate the base model once per study (every run starts from the same warm-start)."""
-    path = archive_path(study_dir, BASE)
-    if os.path.isfile(path):
-        return
-    ev = cfg.evaluation
-    started = time.time()
-    write_archive(path, evaluate_base(train_args(cfg), ev.num_problems, ev.n_samples, ev.top_p, ev.temperature,
-                                      ev.seed))
-    log(f"[study] base model evaluated in {time.time() - started:.0f} s")
-
-
-def _loop_evaluation(directory: str) -> List[Dict[str, Any]]:
+def _loop_evaluation(directory: RunDir) -> List[Dict[str, Any]]:
     """A run trained outside the study (a SLURM sweep): its loop's last held-out record, at the
     run's own eval.top_p, stands in for the study's evaluation."""
-    evals = [r for r in read_metrics(os.path.join(directory, "metrics.jsonl")) if r["kind"] == "eval"]
+    evals = [r for r in directory.metrics() if r["kind"] == "eval"]
     if not evals:
         return []
-    top_p = OmegaConf.load(os.path.join(directory, "config.yaml")).eval.top_p
-    return [dict(evals[-1], kind=EVAL_KIND, top_p=float(top_p))]
+    return [dict(evals[-1], kind=EVAL_KIND, top_p=float(directory.saved_config().eval.top_p))]
 
 
-def archive_runs(run_dirs: Dict[str, str], study_dir: str) -> int:
-    """Keep every finished run's metrics in ``<study_dir>/metrics/<name>.jsonl.gz``: its training
-    records and its study evaluation records. Returns how many runs are kept."""
+def keep_collected(run_dirs: Dict[str, str], study_dir: str) -> int:
+    """Keep every trained run of a SLURM sweep in ``<study_dir>/metrics/<name>.jsonl.gz``, with
+    the identity of its own config (not evaluated by the study); returns how many are kept."""
     kept = 0
-    for name, directory in run_dirs.items():
-        if not is_trained(directory):
+    for name, path in run_dirs.items():
+        directory = RunDir(path)
+        if not directory.is_trained():
             continue
-        evaluation = os.path.join(directory, STUDY_EVAL)
-        evals = ([r for _, r in iter_jsonl(evaluation)] if os.path.isfile(evaluation)
-                 else _loop_evaluation(directory))
-        if not evals:
-            continue
-        # training records, and the loop's held-out checkpoints (study config ``checkpoints``)
-        train = [r for r in read_metrics(os.path.join(directory, "metrics.jsonl")) if r["kind"] in ("train", "eval")]
-        write_archive(archive_path(study_dir, name), train + evals)
-        kept += 1
+        evals = directory.evaluation() or _loop_evaluation(directory)
+        if evals:
+            identity = identity_record({"config": config_identity(directory.saved_config()), "evaluation": None})
+            keep_run(study_dir, name, identity, directory, evals)
+            kept += 1
     return kept
-
-
-def finished_rewards(cfg: StudyConfig, study_dir: str) -> RewardOf:
-    """A run's final held-out reward at the claims' top-p (``evaluation.top_p[0]``) from its kept
-    metrics (``<study_dir>/metrics``) or its run directory's study evaluation; None while neither
-    exists. What the sweeps' search (``plan.searched_points``) judges by."""
-    top_p = float(cfg.evaluation.top_p[0])
-    known: Dict[str, float] = {}
-
-    def reward_of(spec: RunSpec) -> Optional[float]:
-        if spec.name not in known:
-            archive, evaluation = archive_path(study_dir, spec.name), os.path.join(run_dir(study_dir, spec.name), STUDY_EVAL)
-            records = (read_archive(archive) if os.path.isfile(archive) else
-                       [r for _, r in iter_jsonl(evaluation)] if os.path.isfile(evaluation) else [])
-            run = run_from_records(spec.name, records)     # None: no study evaluation yet
-            final = None if run is None else run.final(top_p)
-            if final is None:
-                return None
-            known[spec.name] = final["reward/mean"]
-        return known[spec.name]
-    return reward_of
-
-
-def build_plan(cfg: StudyConfig, results_dir: Optional[str] = None, defaults: Optional[Defaults] = None,
-               unknown_holds: bool = False) -> StudyPlan:
-    """The study's runs, by its kind: the paper's comparison (``plan.build_paper_plan``) or the
-    adaptive-delta study (``adaptive.build_adaptive_plan``). ``results_dir``: the study directory
-    whose finished runs a search follows (none: the whole grid); ``unknown_holds``:
-    ``plan.searched_points``."""
-    if cfg.kind == "adaptive":
-        return build_adaptive_plan(cfg, read_defaults(cfg, [QUATRO]))
-    rewards = None if results_dir is None else finished_rewards(cfg, results_dir)
-    return build_paper_plan(cfg, rewards, defaults, unknown_holds)
 
 
 def write_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out_dir: str,
@@ -124,7 +62,7 @@ def write_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out_dir: str
         return write_adaptive_report(cfg, plan, study_dir, out_dir, info)
     study = Study(cfg, plan, load_runs(study_dir, list(plan.runs)), load_base(study_dir))
     quatro = plan.defaults.algorithm_fields[QUATRO]
-    n = load_config(train_args(cfg)).rollout.n
+    n = plan.defaults.bases[QUATRO].rollout.n
     deltas = sorted(set(cfg.deltas.values) | {quatro["delta"]})
     advantages = advantage_table(deltas, n, quatro["lambda_min"])
     claims = evaluate_claims(study, advantages)
@@ -133,70 +71,51 @@ def write_report(cfg: StudyConfig, plan: StudyPlan, study_dir: str, out_dir: str
     return {"paths": paths, "claims": claims, "study": study}
 
 
-INVOCATIONS_FILE = "invocations.jsonl"
+def _record_invocation(study: StudyRuns, minutes: float, results: List[RunResult], **extra: Any) -> Dict[str, float]:
+    """This invocation in ``<out>/invocations.jsonl`` (and the results' when publishing); the totals."""
+    args = (minutes, _count_done(results), _run_seconds(results))
+    if study.publish_results and study.results_dir:
+        record_invocation(study.results_dir, *args, **extra)
+    return record_invocation(study.out_dir, *args, **extra)
 
 
-def record_invocation(out_dir: str, minutes: float, runs_executed: int,
-                      run_seconds: Optional[Dict[str, List[float]]] = None,
-                      runs_started: Optional[int] = None, interrupted: bool = False) -> Dict[str, float]:
-    """Append this invocation to ``<out>/invocations.jsonl`` (with each executed run's [wall, CPU]
-    seconds, for :mod:`quatro_nemo.study.timing`); returns :func:`invocation_totals`.
-    ``runs_started`` (default: ``runs_executed``) counts runs it trained at all, finished or not:
-    an interrupted invocation that trained runs costs wall time too."""
-    record = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "minutes": round(minutes, 2),
-              "runs_executed": runs_executed,
-              "runs_started": runs_executed if runs_started is None else runs_started,
-              "run_seconds": run_seconds or {}}
-    if interrupted:
-        record["interrupted"] = True
-    with open(os.path.join(out_dir, INVOCATIONS_FILE), "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-    return invocation_totals(out_dir)
-
-
-def invocation_totals(out_dir: str) -> Dict[str, float]:
-    """Total wall time of the invocations that trained runs, so a study finished over several
-    (interrupted, extended with more seeds) reports its whole cost against the budget; {} if
-    none is recorded."""
-    path = os.path.join(out_dir, INVOCATIONS_FILE)
-    if not os.path.exists(path):
-        return {}
-    training = [r for _, r in iter_jsonl(path) if r.get("runs_started", r["runs_executed"]) > 0]
-    return {"total_wall_minutes": sum(r["minutes"] for r in training), "training_invocations": len(training)}
-
-
-def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print) -> Dict[str, Any]:
+def run_study(cfg: StudyConfig, out_dir: str, log: Callable[[str], None] = print, results_dir: Optional[str] = None,
+              publish: bool = False) -> Dict[str, Any]:
+    """Train and evaluate every run not yet done, then write the report. ``results_dir``: a
+    committed results directory whose kept runs count as done; ``publish``: copy each run kept
+    here into it (module docstring)."""
     started = time.time()
     # Absolute: the trainings run with the repository as working directory (runner.execute).
     out_dir = os.path.abspath(out_dir)
-    plan = build_plan(cfg, out_dir)
-    base = train_args(cfg)
-    pending = [s for s in plan.runs.values() if not is_done(run_dir(out_dir, s.name))]
-    log(f"[study] {cfg.name}: {len(plan.runs)} runs, {len(plan.runs) - len(pending)} already done; "
-        f"output {out_dir}")
     os.makedirs(out_dir, exist_ok=True)
+    study = StudyRuns(cfg, build_plan(cfg, out_dir), out_dir, results_dir, publish, log)
+    plan = study.adopt_committed()
+    log(f"[study] {cfg.name}: {len(plan.runs)} runs, {len(study.done)} already done; output {out_dir}"
+        + (f"; kept runs published to {results_dir}" if publish and results_dir else ""))
     # The warm-start cache is built once, here by the base evaluation or else by the fork server's
-    # preload (execute(preload=True)), before any run is forked: never by concurrent runs.
-    ensure_base_evaluation(cfg, out_dir, log)
-    runs = start_order(cfg, plan)
+    # preload, before any run is forked: never by concurrent runs.
+    study.ensure_base_evaluation()
+    study.write_progress("running")
+    base = next(iter(plan.defaults.bases.values()))
     try:
-        results = execute(runs, out_dir, base, cfg.workers, log=log, preload=True,
-                          evaluation_args=lambda spec: evaluation_args(cfg, plan.needs_full_evaluation(spec)),
-                          refill=lambda: list(build_plan(cfg, out_dir, plan.defaults).runs.values()))
+        results = execute(start_order(cfg, plan), out_dir, study, cfg.workers, log=log,
+                          preload=encode_call(preload, base), refill=study.refill)
     except StudyInterrupted as stop:
-        totals = record_invocation(out_dir, (time.time() - started) / 60.0, _count_done(stop.results),
-                                   _run_seconds(stop.results), runs_started=stop.runs_started, interrupted=True)
-        log(f"[study] interrupted; {totals.get('total_wall_minutes', 0):.1f} min so far over "
-            f"{totals.get('training_invocations', 0)} invocation(s); run the same command to continue")
+        totals = _record_invocation(study, (time.time() - started) / 60.0, stop.results,
+                                    runs_started=stop.runs_started, interrupted=True)
+        progress = study.write_progress("stopped")
+        log(f"[study] interrupted; {progress['runs_done']}/{progress['runs_total']} runs done, "
+            f"{progress['cpu_hours_left']} CPU hours left by the estimate; {totals.get('total_wall_minutes', 0):.1f} "
+            f"min so far over {totals.get('training_invocations', 0)} invocation(s); run the same command to continue")
         raise
     failed = [r.name for r in results if r.status == "failed"]
     info = {"wall_minutes": (time.time() - started) / 60.0, "failed_runs": failed,
             "runs_executed": _count_done(results),
             "runs_skipped": sum(r.status == "skipped" for r in results)}
-    info.update(record_invocation(out_dir, info["wall_minutes"], info["runs_executed"], _run_seconds(results)))
+    info.update(_record_invocation(study, info["wall_minutes"], results))
     plan = build_plan(cfg, out_dir, plan.defaults)   # every search decision made
-    archive_runs({name: run_dir(out_dir, name) for name in plan.runs}, out_dir)
     out = write_report(cfg, plan, out_dir, out_dir, info)
+    study.write_progress("finished")
     minutes, total = info["wall_minutes"], info["total_wall_minutes"]
     log(f"[study] report: {out['paths']['markdown']} ({minutes:.1f} min"
         + (f"; {total:.1f} min over {info['training_invocations']} invocations" if info["training_invocations"] > 1 else "")
@@ -275,5 +194,5 @@ def collect_sweep(cfg: StudyConfig, sweep_dir: str, out_dir: str) -> Dict[str, A
             name = by_line.get(overrides.strip())
             if name is not None:
                 run_dirs[name] = os.path.join(sweep_dir, task)
-    archive_runs(run_dirs, out_dir)
+    keep_collected(run_dirs, out_dir)
     return write_report(cfg, build_plan(cfg, out_dir, plan.defaults), out_dir, out_dir, {"collected_from": sweep_dir})

@@ -1,22 +1,31 @@
 """The study's run list: one RunSpec per distinct training run, shared between the study's parts.
 
 A run is fixed by its *setting* (algorithm, inner loops K, learning-rate multiplier of the
-default, non-default algorithm fields) and its seed. Settings that coincide are one run: e.g. the
-log-ratio ablation's ``seq_sum`` arm at delta = 0.1, K = 2 is the K = 2 point of QUATRO's
-inner-loop sweep when the default delta is 0.1. Algorithm fields equal to the algorithm's default
-are dropped before naming, so such coincidences are found from the composed configs, not from
-particular values.
+default, non-default algorithm fields, task fields) and its seed. Settings that coincide are one
+run: e.g. the log-ratio ablation's ``seq_sum`` arm at delta = 0.1, K = 2 is the K = 2 point of
+QUATRO's inner-loop sweep when the default delta is 0.1. Algorithm fields equal to the
+algorithm's default are dropped before naming, so such coincidences are found from the composed
+configs, not from particular values.
+
+A run's config is its algorithm's base config (:func:`study_base_config`: the study's training
+config, composed once per algorithm) with the run's typed values set (``RunSpec.changes``,
+:func:`run_config`, the engine's ``configured``). Text appears only where a person or SLURM reads
+it: ``RunSpec.overrides`` (the report, the SLURM sweep file) and :func:`train_args`.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from quatro_nemo.engine.config import load_config
+from quatro_nemo.engine.api import configured
+from quatro_nemo.engine.config import ExperimentConfig, load_config
 from quatro_nemo.study.config import QUATRO, StudyConfig, StudyConfigError, flat_fields
+
+Changes = Tuple[Tuple[str, Any], ...]    # (dotted config key, typed value), in order
 
 
 @dataclass(frozen=True)
@@ -24,15 +33,14 @@ class Setting:
     algorithm: str
     inner_loops: int
     lr_multiplier: float
-    algo_overrides: Tuple[Tuple[str, Any], ...] = ()   # sorted (field, value), non-default only; a nested
-                                                       # section's field as a dotted key (lr_control.kind)
-    task_overrides: Tuple[str, ...] = ()               # key=value of the task section (e.g. task.reward=graded)
+    algo_overrides: Changes = ()    # sorted (field, value), non-default only; a nested section's
+                                    # field as a dotted key (lr_control.kind)
+    task_overrides: Changes = ()    # (task key, value), e.g. ("task.reward", "graded")
 
     @property
     def label(self) -> str:
         extra = "".join(f"-{label_key(key)}_{value}" for key, value in self.algo_overrides)
-        extra += "".join("-{}_{}".format(key.rsplit(".", 1)[-1], value)
-                         for key, value in (item.split("=", 1) for item in self.task_overrides))
+        extra += "".join(f"-{key.rsplit('.', 1)[-1]}_{value}" for key, value in self.task_overrides)
         return f"{self.algorithm}-K{self.inner_loops}-lr{self.lr_multiplier:g}x{extra}"
 
 
@@ -43,61 +51,90 @@ def label_key(key: str) -> str:
     return key.removesuffix(".kind").replace(".", "_")
 
 
+def override_text(key: str, value: Any) -> str:
+    """A typed value at a config key as recipes/train.py's argument (``trainer.lr=0.0012``)."""
+    return f"{key}={value}"
+
+
 @dataclass(frozen=True)
 class RunSpec:
     setting: Setting
     seed: int
-    overrides: Tuple[str, ...]       # recipes/train.py key=value (without run.dir and the study-wide ones)
+    changes: Changes = ()    # the run's values on its algorithm's base config (run_changes)
 
     @property
     def name(self) -> str:
         return f"{self.setting.label}-s{self.seed}"
 
+    @property
+    def overrides(self) -> Tuple[str, ...]:
+        """The run as recipes/train.py arguments after :func:`train_args` (the report's and the
+        SLURM sweep file's text)."""
+        return (f"algorithm={self.setting.algorithm}", *(override_text(k, v) for k, v in self.changes))
+
 
 @dataclass
 class Defaults:
-    """What the runs' settings are relative to, read from the composed training config."""
+    """What the runs' settings are relative to: each algorithm's base config (study_base_config)."""
 
-    lr: float
-    inner_loops: int
-    algorithm_fields: Dict[str, Dict[str, Any]]   # algorithm -> its default config fields (flat_fields)
+    bases: Dict[str, ExperimentConfig]            # algorithm -> its base config
+
+    @property
+    def _any(self) -> ExperimentConfig:
+        return next(iter(self.bases.values()))
+
+    @property
+    def lr(self) -> float:
+        return self._any.trainer.lr
+
+    @property
+    def inner_loops(self) -> int:
+        return self._any.trainer.inner_loops
+
+    @functools.cached_property
+    def algorithm_fields(self) -> Dict[str, Dict[str, Any]]:
+        """algorithm -> its default config fields (flat_fields)."""
+        return {name: flat_fields(dataclasses.asdict(base.algorithm)) for name, base in self.bases.items()}
 
 
-# The study evaluates each run's final policy itself (quatro_nemo.study.evaluation, with the base
-# model evaluated once), so the loop's own held-out evaluation is off.
-STUDY_TRAIN_OVERRIDES = ("eval.num_problems=0",)
-
-
-def checkpoint_eval_overrides(cfg: StudyConfig) -> List[str]:
-    """The loop's own held-out evaluation every ``checkpoints.every`` steps (and at step 0) on the
-    study's problems at the claims' top-p (issue 29: comparisons at matched reward and KL); none
-    when off, so a study without checkpoints composes its runs exactly as before."""
+def checkpoint_eval_values(cfg: StudyConfig) -> Dict[str, Any]:
+    """The loop's own held-out evaluation in every run. The study evaluates each final policy
+    itself (the engine's EvalRequest, with the base model evaluated once), so it is off, except
+    at the held-out checkpoints every ``checkpoints.every`` steps (and at step 0) on the study's
+    problems at the claims' top-p (issue 29: comparisons at matched reward and KL)."""
     ck = cfg.checkpoints
     if not ck.every:
-        return list(STUDY_TRAIN_OVERRIDES)
-    return [f"eval.num_problems={cfg.evaluation.num_problems}", f"eval.n_samples={ck.n_samples}",
-            f"eval.top_p={cfg.decision_top_p!r}", f"eval.temperature={float(cfg.evaluation.temperature)!r}",
-            f"trainer.eval_every={ck.every}"]
+        return {"eval.num_problems": 0}
+    return {"eval.num_problems": cfg.evaluation.num_problems, "eval.n_samples": ck.n_samples,
+            "eval.top_p": cfg.decision_top_p, "eval.temperature": float(cfg.evaluation.temperature),
+            "trainer.eval_every": ck.every}
+
+
+def _composed_args(cfg: StudyConfig) -> List[str]:
+    """The study config's own text: the primary training config and ``train_overrides``."""
+    return [f"config={cfg.train_config}", *cfg.train_overrides]
 
 
 def train_args(cfg: StudyConfig) -> List[str]:
-    """The arguments every run shares: the primary training config and the study-wide overrides."""
-    return [f"config={cfg.train_config}", *cfg.train_overrides, *checkpoint_eval_overrides(cfg)]
+    """The study's base config as recipes/train.py arguments (the SLURM edge, and the tests'
+    reference for :func:`study_base_config`)."""
+    return [*_composed_args(cfg), *(override_text(k, v) for k, v in checkpoint_eval_values(cfg).items())]
+
+
+def study_base_config(cfg: StudyConfig, algorithm: Optional[str] = None) -> ExperimentConfig:
+    """The config every run of the study starts from: the training config with the study-wide
+    ``train_overrides`` (the study config's text, composed by Hydra like recipes/train.py's
+    arguments), ``algorithm=<algorithm>`` when given, and the held-out checkpoint values."""
+    composed = load_config(_composed_args(cfg) + ([f"algorithm={algorithm}"] if algorithm else []))
+    return configured(composed, checkpoint_eval_values(cfg))
 
 
 def read_defaults(cfg: StudyConfig, algorithms: Sequence[str]) -> Defaults:
-    base = train_args(cfg)
-    fields = {}
-    lr = inner = None
-    for name in algorithms:
-        composed = load_config(base + [f"algorithm={name}"])
-        fields[name] = flat_fields(dataclasses.asdict(composed.algorithm))
-        lr, inner = composed.trainer.lr, composed.trainer.inner_loops
-    return Defaults(lr=lr, inner_loops=inner, algorithm_fields=fields)
+    return Defaults({name: study_base_config(cfg, name) for name in algorithms})
 
 
 def make_setting(defaults: Defaults, algorithm: str, inner_loops: Optional[int] = None,
-                 lr_multiplier: float = 1.0, task_overrides: Tuple[str, ...] = (), **algo_overrides: Any) -> Setting:
+                 lr_multiplier: float = 1.0, task_overrides: Changes = (), **algo_overrides: Any) -> Setting:
     known = defaults.algorithm_fields[algorithm]
     algo_overrides = flat_fields(algo_overrides)
     for key in algo_overrides:
@@ -108,10 +145,19 @@ def make_setting(defaults: Defaults, algorithm: str, inner_loops: Optional[int] 
                    float(lr_multiplier), changed, tuple(task_overrides))
 
 
-def run_overrides(setting: Setting, seed: int, defaults: Defaults) -> Tuple[str, ...]:
-    return (f"algorithm={setting.algorithm}", f"run.seed={seed}", f"trainer.inner_loops={setting.inner_loops}",
-            f"trainer.lr={defaults.lr * setting.lr_multiplier!r}",
-            *(f"algorithm.{key}={value}" for key, value in setting.algo_overrides), *setting.task_overrides)
+def run_spec(setting: Setting, seed: int, defaults: Defaults) -> RunSpec:
+    """The run of ``setting`` at ``seed``: its typed values on its algorithm's base config."""
+    changes = (("run.seed", seed), ("trainer.inner_loops", setting.inner_loops),
+               ("trainer.lr", defaults.lr * setting.lr_multiplier),
+               *((f"algorithm.{key}", value) for key, value in setting.algo_overrides), *setting.task_overrides)
+    return RunSpec(setting, seed, changes)
+
+
+def run_config(defaults: Defaults, spec: RunSpec, directory: str) -> ExperimentConfig:
+    """The validated config of one run, training in ``directory``."""
+    values: Dict[str, Any] = dict(spec.changes)
+    values.update({"run.dir": directory, "run.progress_bar": False})
+    return configured(defaults.bases[spec.setting.algorithm], values)
 
 
 @dataclass
@@ -189,7 +235,7 @@ def build_paper_plan(cfg: StudyConfig, reward_of: Optional[RewardOf] = None,
     runs: Dict[str, RunSpec] = {}
 
     def specs(setting: Setting, seeds: Sequence[int]) -> List[RunSpec]:
-        return [RunSpec(setting, seed, run_overrides(setting, seed, defaults)) for seed in seeds]
+        return [run_spec(setting, seed, defaults) for seed in seeds]
 
     def add(setting: Setting, seeds: Sequence[int]) -> Setting:
         for spec in specs(setting, seeds):

@@ -1,14 +1,16 @@
 """Run the study's training runs, a few at a time, resumably.
 
-Each run has its own directory ``<study dir>/runs/<run name>`` with its output in ``train.log``:
-``recipes/train.py``, or, when the study evaluates its runs, the study's job
-(:mod:`quatro_nemo.study.job`: the same training, then the evaluation of the final policy in the
-same process). Every run is its own process, forked by one fork server per invocation
-(:mod:`quatro_nemo.study.forkserver`), which imports the libraries and builds the task once
-(``prewarm``). A run is done once its ``report.json`` exists (training only) or its
-``study_eval.jsonl`` does (with evaluation); done runs are skipped, so re-running an interrupted
-study continues where it stopped (a run cut short resumes from its last checkpoint, which the
-training does by itself). Failed runs are reported, not retried within one invocation.
+Each run is a request to the engine's front door (``quatro_nemo.engine.api.RunRequest``: train,
+then evaluate the final policy) with its own directory ``<study dir>/runs/<run name>`` (output in
+``train.log``), claimed for that request before it starts (``api.preflight``: a directory of
+another run is an error, never silently reused). Every run is its own process, forked by one fork
+server per invocation (:mod:`quatro_nemo.study.forkserver`), which imports the libraries and
+builds the task once (``preload``), and runs :func:`quatro_nemo.study.job.run_job` on the
+request. Which runs are done is the study's to say (``StudyRuns.is_done``: its kept metrics,
+quatro_nemo.study.kept); done runs are skipped, so re-running an interrupted study continues
+where it stopped (a run cut short resumes from its last checkpoint, which the training does by
+itself). Failed runs are reported, not retried within one invocation; a run stopped by a signal
+(exit 75, checkpointed) is reported as stopped.
 """
 from __future__ import annotations
 
@@ -21,116 +23,44 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from quatro_nemo.engine.config import renamed_override
+from quatro_nemo.engine.api import RunRequest, preflight
+from quatro_nemo.engine.run_dir import RunDir
 from quatro_nemo.megatron.parallel import standalone_environment
-from quatro_nemo.study.evaluation import STUDY_EVAL
-from quatro_nemo.study.config import StudyConfigError
+from quatro_nemo.study.forkserver import encode_call
+from quatro_nemo.study.job import run_job
 from quatro_nemo.study.plan import RunSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TRAIN = os.path.join(REPO, "recipes", "train.py")
-JOB = ["-m", "quatro_nemo.study.job"]      # training then evaluation, one process
-
-# spec -> the arguments of the study's evaluation of that run (quatro_nemo.study.evaluation)
-EvaluationArgs = Callable[[RunSpec], List[str]]
+PREEMPTED_EXIT_CODE = 75           # a training stopped by SIGTERM/SIGUSR1 after its checkpoint
 
 
 def run_dir(study_dir: str, name: str) -> str:
     return os.path.join(study_dir, "runs", name)
 
 
-def is_trained(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, "report.json"))
-
-
-def is_done(directory: str, evaluated: bool = True) -> bool:
-    """Trained, and evaluated by the study when it evaluates its runs."""
-    return os.path.isfile(os.path.join(directory, STUDY_EVAL if evaluated else "report.json"))
-
-
 @dataclass
 class RunResult:
     name: str
-    status: str              # done (this time) | skipped (already done) | failed
+    status: str              # done (this time) | skipped (already done) | failed | stopped (exit 75: resumes)
     seconds: float = 0.0
     returncode: Optional[int] = None
     cpu_seconds: Optional[float] = None   # user + system time of the run's process
 
 
-def prewarm(base_args: Sequence[str]) -> None:
-    """Build the warm-start cache once, before several runs would each train it."""
-    from quatro_nemo.engine.config import load_config
-    from quatro_nemo.engine.task import build_task
+class StudyRuns(Protocol):
+    """What :func:`execute` asks of the study about its runs (the driver's ``StudyRuns``)."""
 
-    cfg = load_config(list(base_args))
-    if cfg.task.name != "countdown":
-        return   # other tasks load a pretrained checkpoint: nothing to build
-    task = build_task(cfg)
-    task.load_base_state(task.model_config(cfg.model))
+    def request(self, spec: RunSpec) -> RunRequest:
+        """The run's request; its ``run.dir`` is :func:`run_dir` of the study directory."""
 
+    def is_done(self, spec: RunSpec) -> bool:
+        """Whether the run is finished and kept (a run finished but not yet kept is kept now)."""
 
-IDENTITY_FILE = "study_run.json"     # <run dir>/study_run.json: the command the run was started with
-
-
-class RunIdentityError(StudyConfigError):
-    """A run directory was started with other settings than the study's run of that name."""
-
-
-def run_identity(spec: RunSpec, base_args: Sequence[str], evaluation_args: Optional[EvaluationArgs]) -> List[str]:
-    """What a run is: its command line (training and evaluation arguments) without its directory.
-    Run names only carry the settings that differ from the defaults, so a study config change
-    (more problems, checkpoint evaluations, other study-wide overrides) keeps the names; this is
-    what tells the runs apart."""
-    return [a for a in command_of(spec, "", base_args, evaluation_args) if not a.startswith("run.dir=")]
-
-
-def _logged_command(directory: str) -> Optional[List[str]]:
-    """The command on the first line of a run's train.log (runs started before study_run.json
-    existed), without the interpreter and the run directory; None if there is none."""
-    path = os.path.join(directory, "train.log")
-    if not os.path.isfile(path):
-        return None
-    with open(path, errors="replace") as f:
-        first = f.readline(1 << 16)
-    if not first.startswith("$ "):
-        return None
-    words = first[2:].split("  (forked", 1)[0].split()[1:]
-    return [w for w in words if not w.startswith("run.dir=")]
-
-
-def check_identity(directory: str, identity: List[str]) -> None:
-    """Record a run's identity when it starts; a directory already started with another identity
-    is an error naming both (never silently reused, never silently redone). A run recorded with
-    QUATRO's flat keys (before its nested sections) is the same run with the new keys."""
-    path = os.path.join(directory, IDENTITY_FILE)
-    if os.path.isfile(path):
-        with open(path) as f:
-            recorded = json.load(f).get("command")
-    else:
-        recorded = _logged_command(directory)
-    if recorded is not None:
-        recorded = [renamed_override(arg) or arg for arg in recorded]
-    if recorded is not None and recorded != identity:
-        changed = sorted(set(recorded) ^ set(identity))
-        raise RunIdentityError(f"run directory {directory} was started with other settings than this study's run "
-                               f"of that name (differing arguments: {changed}); use another study directory (out=) "
-                               "or delete that run directory")
-    if not os.path.isfile(path):
-        os.makedirs(directory, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"command": identity}, f, indent=1)
-
-
-def command_of(spec: RunSpec, directory: str, base_args: Sequence[str],
-               evaluation_args: Optional[EvaluationArgs]) -> List[str]:
-    """The Python command line of one run (after the interpreter): recipes/train.py, or the study
-    job (training + evaluation)."""
-    train = [*base_args, *spec.overrides, f"run.dir={directory}", "run.progress_bar=false"]
-    if evaluation_args is None:
-        return [TRAIN, *train]
-    return [*JOB, *train, "--evaluate", *evaluation_args(spec)]
+    def ended(self, spec: RunSpec, result: RunResult) -> None:
+        """A run's process ended (``result.status``: done, failed or stopped); a done run's records
+        are complete in its directory."""
 
 
 class ForkServerError(RuntimeError):
@@ -140,30 +70,33 @@ class ForkServerError(RuntimeError):
 class ForkServer:
     """The caller's side of :mod:`quatro_nemo.study.forkserver`: start runs, collect how they ended."""
 
-    def __init__(self, study_dir: str, env: Dict[str, str], prewarm_args: Optional[Sequence[str]]) -> None:
+    def __init__(self, study_dir: str, env: Dict[str, str], preload: Optional[str] = None) -> None:
+        """``preload``: a call (``forkserver.encode_call``) the server runs in itself first."""
         self.log_path = os.path.join(study_dir, "forkserver.log")
-        command = [sys.executable, "-m", "quatro_nemo.study.forkserver"]
-        if prewarm_args is not None:
-            command += ["--prewarm", *prewarm_args]
         with open(self.log_path, "a") as log:
-            self.process = subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=log)
+            self.process = subprocess.Popen([sys.executable, "-m", "quatro_nemo.study.forkserver"], cwd=REPO, env=env,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         self.running: set = set()            # requested, not yet reported finished
         self.pids: Dict[str, int] = {}       # of those, the ones the server has forked
-        self._ready = False
+        self._ready, self._preloaded = False, preload is None
         self._reports: List[Dict] = []
         self._buffer = b""
-        while not self._ready:
+        if preload is not None:
+            self._send({"preload": preload})
+        while not (self._ready and self._preloaded):
             self._read(timeout=None)
 
-    def start(self, name: str, argv: Sequence[str], log_path: str) -> None:
-        request = {"name": name, "argv": list(argv), "log": log_path}
+    def start(self, name: str, call: str, log_path: str) -> None:
+        """Fork a child that runs ``call`` (``forkserver.encode_call``), its output in ``log_path``."""
+        self._send({"name": name, "call": call, "log": log_path})
+        self.running.add(name)
+
+    def _send(self, message: Dict) -> None:
         try:
-            self.process.stdin.write((json.dumps(request) + "\n").encode())
+            self.process.stdin.write((json.dumps(message) + "\n").encode())
             self.process.stdin.flush()
         except BrokenPipeError:
             self._died()
-        self.running.add(name)
 
     def finished(self, timeout: Optional[float]) -> List[Dict]:
         """``{"finished": name, "code": ..., "cpu": ...}`` of the runs that ended since the last
@@ -204,6 +137,8 @@ class ForkServer:
         for message in (json.loads(line) for line in lines if line.strip()):
             if message.get("ready"):
                 self._ready = True
+            elif message.get("preloaded"):
+                self._preloaded = True
             elif "started" in message:
                 self.pids[message["started"]] = message["pid"]
             elif "finished" in message:
@@ -218,33 +153,24 @@ class ForkServer:
         raise ForkServerError(f"the study's fork server exited with {code}; {self.log_path}:\n{tail}")
 
 
-def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], workers: int,
-            log: Callable[[str], None] = print, poll_s: float = 0.5,
-            evaluation_args: Optional[EvaluationArgs] = None, preload: bool = False,
+def execute(runs: Sequence[RunSpec], study_dir: str, study: StudyRuns, workers: int,
+            log: Callable[[str], None] = print, poll_s: float = 0.5, preload: Optional[str] = None,
             refill: Optional[Callable[[], Sequence[RunSpec]]] = None) -> List[RunResult]:
-    """Run every spec not yet done (trained, and evaluated with `evaluation_args`), in the order
-    given, at most `workers` processes at a time; return what happened.
+    """Run every spec not yet done (``study.is_done``), in the order given, at most ``workers``
+    processes at a time; return what happened.
 
-    ``preload``: the fork server imports the libraries and builds the task of ``base_args``
-    before the first run. ``refill``: called after each run ends, returns the runs the study
-    needs now (a search adds runs once the ones it depends on are done); those not yet known
-    start next, before the remaining ones."""
+    ``preload``: a call (``forkserver.encode_call``, e.g. ``job.preload`` of the study's base
+    config) the fork server runs before the first run. ``refill``: called after each run ends,
+    returns the runs the study needs now (a search adds runs once the ones it depends on are
+    done); those not yet known start next, before the remaining ones."""
     results: List[RunResult] = []
     pending: List[RunSpec] = []
-    evaluated = evaluation_args is not None
-
-    def identify(spec: RunSpec) -> None:
-        directory = run_dir(study_dir, spec.name)
-        if os.path.isdir(directory):
-            check_identity(directory, run_identity(spec, base_args, evaluation_args))
-
     for spec in runs:
-        identify(spec)
-        if is_done(run_dir(study_dir, spec.name), evaluated):
+        if study.is_done(spec):
             results.append(RunResult(spec.name, "skipped"))
         else:
             pending.append(spec)
-    queue = _Queue(pending, {spec.name for spec in runs}, refill, study_dir, evaluated, identify)
+    queue = _Queue(pending, {spec.name for spec in runs}, refill, study)
     queue.refill()
     if not queue.pending:
         return results
@@ -253,11 +179,11 @@ def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], w
     env = dict(standalone_environment(), PYTHONUNBUFFERED="1")
     previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     server = None
-    started: Dict[str, float] = {}    # the runs going: when each started
+    started: Dict[str, Tuple[RunSpec, float]] = {}    # the runs going: their spec and start time
     try:
         os.makedirs(study_dir, exist_ok=True)
-        server = ForkServer(study_dir, env, list(base_args) if preload else None)
-        _loop(server, queue, started, results, study_dir, base_args, workers, log, poll_s, evaluation_args)
+        server = ForkServer(study_dir, env, preload)
+        _loop(server, queue, started, results, study_dir, study, workers, log, poll_s)
         server.close()
     except KeyboardInterrupt:
         # SIGTERM makes a run checkpoint and exit 75: the next invocation resumes it. A run past its
@@ -265,7 +191,7 @@ def execute(runs: Sequence[RunSpec], study_dir: str, base_args: Sequence[str], w
         if server is not None:
             server.terminate()
             for report in server.close():
-                result = _ended(report, started, study_dir, evaluation_args is not None)
+                result = _ended(report, started, study_dir, study)
                 if result.status == "done":
                     results.append(result)
                     log(f"[study] {result.name}: ok in {result.seconds:.0f} s (finished while the study stopped)")
@@ -283,9 +209,7 @@ class _Queue:
     pending: List[RunSpec]
     known: set
     source: Optional[Callable[[], Sequence[RunSpec]]]
-    study_dir: str
-    evaluated: bool
-    identify: Callable[[RunSpec], None]          # check_identity of a run that has a directory
+    study: StudyRuns
     started: int = 0
 
     def refill(self) -> None:
@@ -293,9 +217,7 @@ class _Queue:
             return
         new = [spec for spec in self.source() if spec.name not in self.known]
         self.known.update(spec.name for spec in new)
-        for spec in new:
-            self.identify(spec)
-        self.pending[:0] = [spec for spec in new if not is_done(run_dir(self.study_dir, spec.name), self.evaluated)]
+        self.pending[:0] = [spec for spec in new if not self.study.is_done(spec)]
 
     def pop(self) -> RunSpec:
         self.started += 1
@@ -316,32 +238,39 @@ def _interrupt(signum, _frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _ended(report: Dict, started: Dict[str, float], study_dir: str, evaluated: bool) -> RunResult:
-    """The fork server's report that a run's process exited, as that run's result."""
+def _ended(report: Dict, started: Dict[str, Tuple[RunSpec, float]], study_dir: str, study: StudyRuns) -> RunResult:
+    """The fork server's report that a run's process exited, as that run's result (told to
+    ``study.ended``): done when it exited 0 with its records complete, stopped when a signal made
+    it checkpoint and exit 75 (the next invocation resumes it), failed otherwise."""
     name, code = report["finished"], report["code"]
-    seconds = time.time() - started.pop(name)
-    ok = code == 0 and is_done(run_dir(study_dir, name), evaluated)
-    return RunResult(name, "done" if ok else "failed", seconds, code, report["cpu"])
+    spec, since = started.pop(name)
+    request = study.request(spec)
+    directory = RunDir(request.config.run.dir)
+    complete = directory.is_evaluated() if request.evaluation is not None else directory.is_trained()
+    status = ("done" if code == 0 and complete else "stopped" if code == PREEMPTED_EXIT_CODE else "failed")
+    result = RunResult(name, status, time.time() - since, code, report["cpu"])
+    study.ended(spec, result)
+    return result
 
 
-def _loop(server: ForkServer, queue: _Queue, started: Dict[str, float], results, study_dir, base_args,
-          workers, log, poll_s, evaluation_args) -> None:
+def _loop(server: ForkServer, queue: _Queue, started: Dict[str, Tuple[RunSpec, float]], results, study_dir,
+          study: StudyRuns, workers, log, poll_s) -> None:
     while queue.pending or started:
         while queue.pending and len(started) < workers:
             spec = queue.pop()
-            directory = run_dir(study_dir, spec.name)
-            check_identity(directory, run_identity(spec, base_args, evaluation_args))
-            command = command_of(spec, directory, base_args, evaluation_args)
-            log_path = os.path.join(directory, "train.log")
+            request = study.request(spec)
+            directory = preflight(request)         # never another run's directory, silently
+            log_path = directory.file("train.log")
             with open(log_path, "a") as handle:
-                handle.write(f"$ {sys.executable} " + " ".join(command) + "  (forked by the study's fork server)\n")
-            server.start(spec.name, command, log_path)
-            started[spec.name] = time.time()
+                handle.write(f"$ {spec.name}: run {request.digest()} (forked by the study's fork server)\n")
+            server.start(spec.name, encode_call(run_job, request), log_path)
+            started[spec.name] = (spec, time.time())
         for report in server.finished(timeout=poll_s):
-            result = _ended(report, started, study_dir, evaluation_args is not None)
+            result = _ended(report, started, study_dir, study)
             results.append(result)
-            finished, ok = sum(r.status != "skipped" for r in results), result.status == "done"
+            finished = sum(r.status != "skipped" for r in results)
+            outcome = {"done": "ok", "stopped": "stopped (exit 75: resumes from its checkpoint next time)"}
             log(f"[study] {finished}/{finished + len(started) + len(queue.pending)} {result.name}: "
-                f"{'ok' if ok else f'FAILED (exit {result.returncode})'} in {result.seconds:.0f} s"
-                + ("" if ok else f"; see {run_dir(study_dir, result.name)}/train.log"))
+                f"{outcome.get(result.status, f'FAILED (exit {result.returncode})')} in {result.seconds:.0f} s"
+                + ("" if result.status == "done" else f"; see {run_dir(study_dir, result.name)}/train.log"))
             queue.refill()

@@ -1,9 +1,18 @@
 """QUATRO's KL-adaptive learning rate in the real loop (issue 29; docs/quatro-math.md Sec. 7.4).
 
 At a deliberately large lr (10x the CPU default's, radius 0.02) the fixed-lr update overshoots
-the radius 6-45-fold; with ``algorithm.lr_control.kind=kl_adaptive`` the multiplier follows its rule
+the radius 6-70-fold; with ``algorithm.lr_control.kind=kl_adaptive`` the multiplier follows its rule
 step by step (written out below as the equation, not taken from the code), survives a resume
-through the real checkpoint, and brings the achieved KL near delta."""
+through the real checkpoint, and brings the achieved KL towards delta.
+
+What is compared with what, so that the test holds on any CPU: the warm-start (800 steps from
+scratch) and the RL steps after it are chaotic in the last bits of the float kernels, so two runs
+whose learning rates differed for a few steps are no longer comparable step by step (on an
+AVX-512 Xeon the fixed run's rewards collapsed to 0 at steps 5, 6 and 8, leaving it two measured
+steps, while on an AVX2 EPYC it kept overshooting ~17-fold). So the test compares (a) step 2 of
+both runs, which starts from the same weights with the same rollout (step 1 is identical) and
+differs only in the lr the rule chose, and (b) the adaptive run's last four steps with its own
+first two."""
 import math
 
 import pytest
@@ -39,10 +48,11 @@ def _rule(multiplier, achieved_kl, factor=1.5, low=0.01, high=10.0):
     return multiplier
 
 
-def _log_distance(records):
-    """Geometric-mean distance of the achieved KL from delta, |log(d / delta)|, over steps 4-8."""
+def _log_distance(records, first, last):
+    """Geometric-mean distance of the achieved KL from delta, |log(d / delta)|, over steps
+    ``first..last`` (those where it was measured)."""
     values = [abs(math.log(r["trust_region/achieved_over_delta"])) for r in records
-              if r["step"] >= 4 and "trust_region/achieved_over_delta" in r]
+              if first <= r["step"] <= last and "trust_region/achieved_over_delta" in r]
     assert len(values) >= 2, records
     return sum(values) / len(values)
 
@@ -66,6 +76,12 @@ def test_kl_adaptive_lr_tracks_the_radius_and_resumes_exactly(tmp_path, tiny_arg
         multiplier = _rule(multiplier, record.get("trust_region/achieved_kl"))
     assert adaptive[-1]["trust_region/lr_multiplier"] < 0.5      # the overshoot cut the lr
 
-    # The achieved KL ends closer to delta: over steps 4-8, at least a factor e closer in
-    # geometric mean (measured at these settings: fixed 17x delta, kl_adaptive 1.5x).
-    assert _log_distance(adaptive) < _log_distance(fixed) - 1.0
+    # (a) Step 2 starts from step 1's identical weights and samples the same responses; the rule
+    # cut the lr by 1.5 after step 1's overshoot, and the achieved KL falls at least as much (it
+    # grows ~ lr^2 for small steps; measured: 27.3 -> 11.0 delta on an AVX-512 Xeon).
+    assert fixed[1]["lr"] == LR and adaptive[1]["lr"] == pytest.approx(LR / 1.5, rel=1e-12)
+    assert adaptive[1]["trust_region/achieved_kl"] < fixed[1]["trust_region/achieved_kl"] / 1.5
+    # (b) The achieved KL ends closer to delta than it started: over the last four steps at least a
+    # factor e closer, in geometric mean, than over the first two (measured: 17x -> 1.5x delta on an
+    # AVX2 EPYC; 17x -> 3.5x on an AVX-512 Xeon).
+    assert _log_distance(adaptive, 5, 8) < _log_distance(adaptive, 1, 2) - 1.0

@@ -19,15 +19,15 @@ def study(args, timeout=600):
     return done.returncode, done.stdout + done.stderr
 
 
-def run_tiny_study(tmp_path, config):
+def run_tiny_study(tmp_path, config, *extra):
     """Write ``config`` as the study config ``tmp_path/conf/study/<name>.yaml`` and run the whole
-    study into ``tmp_path/study``; returns (the arguments choosing that study, the study directory,
-    its report.json)."""
+    study into ``tmp_path/study`` (with the recipe's ``extra`` arguments); returns (the arguments
+    choosing that study, the study directory, its report.json)."""
     conf = tmp_path / "conf"
     (conf / "study").mkdir(parents=True)
     (conf / "study" / f"{config['name']}.yaml").write_text(yaml.safe_dump(config))
     chosen = [f"--config-dir={conf}", f"study={config['name']}"]
     out = tmp_path / "study"
-    code, output = study([*chosen, f"out={out}"])
+    code, output = study([*chosen, f"out={out}", *extra])
     assert code == 0, output
     return chosen, out, json.loads((out / "report.json").read_text())

@@ -10,10 +10,11 @@ import pytest
 from quatro_nemo.engine.config import load_config
 from quatro_nemo.algos.config import DeltaControllerConfig, DeltaPerQueryConfig
 from quatro_nemo.study.config import DEFAULT_CONDITION
-from quatro_nemo.study.analysis import EVAL_KIND, archive_path, write_archive
+from quatro_nemo.study.analysis import EVAL_KIND
+from quatro_nemo.study.kept import archive_path, write_archive
 from quatro_nemo.study.config import StudyConfigError, load_study_config, study_config_from_dict
 from quatro_nemo.study.driver import write_report
-from quatro_nemo.study.driver import build_plan
+from quatro_nemo.study.planner import build_plan
 from quatro_nemo.study.plan import train_args
 from quatro_nemo.study.stats import INCONCLUSIVE, NOT_REPRODUCED, NOT_TESTED, REPRODUCED, paired_power, seeds_for_power
 

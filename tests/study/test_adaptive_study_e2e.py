@@ -1,6 +1,8 @@
 """One tiny real adaptive-delta study end to end (kind: adaptive): recipes/study.py trains and
-evaluates every (condition, arm) run on the graded task, keeps the metrics, writes the report, and
-report_only=true rebuilds it byte for byte from the kept metrics."""
+evaluates every (condition, arm) run on the graded task, keeps the metrics (publishing them to a
+results directory as they land), writes the report, report_only=true rebuilds it byte for byte
+from the kept metrics, and a fresh study directory continues from the published results alone
+(nothing trained)."""
 import gzip
 import json
 
@@ -22,7 +24,8 @@ def test_tiny_adaptive_study_end_to_end(tmp_path, warm_cache):
         "evaluation": {"num_problems": 4, "n_samples": 8, "top_p": [0.7], "sweep_n_samples": 4},
         "workers": 2, "time_budget_minutes": 5,
     }
-    chosen, out, report = run_tiny_study(tmp_path, config)
+    published = tmp_path / "published"
+    chosen, out, report = run_tiny_study(tmp_path, config, f"results={published}", "publish=true")
     runs = report["runs"]
     assert len(runs) == 6 and all(r["finished"] for r in runs.values()), runs   # 2 conditions x 3 arms
     for name, run in runs.items():
@@ -42,3 +45,13 @@ def test_tiny_adaptive_study_end_to_end(tmp_path, warm_cache):
     code, output = study([*chosen, f"out={out}", "report_only=true"])
     assert code == 0, output
     assert (out / "report.md").read_text() == markdown
+
+    kept = sorted(p.name for p in (out / "metrics").glob("*.jsonl.gz"))
+    assert len(kept) == 7 and sorted(p.name for p in (published / "metrics").glob("*.jsonl.gz")) == kept
+    assert all((published / "metrics" / name).read_bytes() == (out / "metrics" / name).read_bytes() for name in kept)
+    assert (published / "invocations.jsonl").is_file()
+    fresh = tmp_path / "fresh"
+    code, output = study([*chosen, f"out={fresh}", f"results={published}"])
+    assert code == 0 and "6 runs, 6 already done" in output, output
+    assert not (fresh / "runs").exists() and "base model evaluated" not in output
+    assert json.loads((fresh / "report.json").read_text())["claims"] == report["claims"]

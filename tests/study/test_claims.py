@@ -7,11 +7,11 @@ import zlib
 
 import pytest
 
-from quatro_nemo.study.analysis import (BASE, EVAL_KIND, Study, advantage_table, archive_path, breaking_point,
-                                        claim_advantage_vs_correct, evaluate_claims, load_base, load_runs,
-                                        write_archive)
+from quatro_nemo.study.analysis import (EVAL_KIND, Study, advantage_table, breaking_point, claim_advantage_vs_correct,
+                                        evaluate_claims, load_base, load_runs)
+from quatro_nemo.study.kept import BASE, archive_path, write_archive
 from quatro_nemo.study.config import study_config_from_dict
-from quatro_nemo.study.driver import build_plan
+from quatro_nemo.study.planner import build_plan
 from quatro_nemo.study.report import to_markdown, write_study_report
 from quatro_nemo.study.stats import (INCONCLUSIVE, NOT_REPRODUCED, OPPOSES, REPRODUCED,
                                      NOT_SIGNIFICANT)

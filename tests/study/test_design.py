@@ -1,8 +1,7 @@
 """Issue 29's pre-registered design: conf/study/design.yaml (families, stress points with every
 baseline, 128 problems, checkpoints), the claims at fixed stress points and at matched levels,
-primary / secondary Holm families, the EQUIVALENT path, and run identities."""
+primary / secondary Holm families and the EQUIVALENT path (run identities: tests/engine/test_api.py)."""
 import dataclasses
-import json
 import math
 
 import numpy as np
@@ -11,9 +10,8 @@ import pytest
 from quatro_nemo.study.analysis import (RunData, Study, advantage_table, checkpoint_curve, claim_at_stress_point, claim_matched,
                                         evaluate_claims, matched_difference)
 from quatro_nemo.study.config import StudyConfigError, load_study_config, study_config_from_dict
-from quatro_nemo.study.driver import build_plan
+from quatro_nemo.study.planner import build_plan
 from quatro_nemo.study.plan import train_args
-from quatro_nemo.study.runner import RunIdentityError, check_identity
 from quatro_nemo.study.stats import EQUIVALENT, INCONCLUSIVE, REPRODUCED, holm_adjust, paired_power
 
 TOP_P = 0.7
@@ -199,42 +197,3 @@ def test_matched_comparison_differs_from_equal_steps(design):
     final = [e for e in run.checkpoints if e["step"] == 80][0]["ucc@32"]
     quatro = study.runs[plan.runs_of(plan.compare["quatro"], [1])[0].name]
     assert [e for e in quatro.checkpoints if e["step"] == 80][0]["ucc@32"] - final > 0.3   # equal steps: a gap
-
-
-# --------------------------------------------------------------------------------------------
-# Run identity
-# --------------------------------------------------------------------------------------------
-
-
-def test_a_run_directory_is_never_reused_with_other_settings(tmp_path):
-    directory = tmp_path / "runs" / "quatro-K1-lr1x-s1"
-    identity = ["-m", "quatro_nemo.study.job", "config=config", "algorithm=quatro", "--evaluate", "--problems", "64"]
-    check_identity(str(directory), identity)                    # first start: recorded
-    assert json.loads((directory / "study_run.json").read_text())["command"] == identity
-    check_identity(str(directory), list(identity))              # the same run: resumes
-    with pytest.raises(RunIdentityError, match=r"'128'.*'64'|'64'.*'128'"):
-        check_identity(str(directory), identity[:-1] + ["128"])
-    # a run directory of an older study (no study_run.json): its train.log's command decides
-    legacy = tmp_path / "runs" / "grpo-K1-lr1x-s1"
-    legacy.mkdir(parents=True)
-    (legacy / "train.log").write_text("$ /usr/bin/python " + " ".join(identity + [f"run.dir={legacy}"])
-                                      + "  (forked by the study's fork server)\nstep 1\n")
-    with pytest.raises(RunIdentityError):
-        check_identity(str(legacy), identity[:-1] + ["128"])
-    check_identity(str(legacy), identity)
-    assert (legacy / "study_run.json").is_file()
-
-
-def test_a_run_recorded_with_quatros_flat_keys_is_the_same_run_with_the_nested_ones(tmp_path):
-    """A run directory started before QUATRO's nested sections (``algorithm.lr_control=kl_adaptive``
-    in its recorded command) resumes under the same command with the new key, and still refuses
-    another value."""
-    directory = tmp_path / "runs" / "quatro-K1-lr4x-lr_control_kl_adaptive-s1"
-    directory.mkdir(parents=True)
-    old = ["-m", "quatro_nemo.study.job", "algorithm=quatro", "algorithm.lr_control=kl_adaptive",
-           "algorithm.delta_controller_target=0.02"]
-    (directory / "study_run.json").write_text(json.dumps({"command": old}))
-    new = old[:3] + ["algorithm.lr_control.kind=kl_adaptive", "algorithm.delta_controller.target=0.02"]
-    check_identity(str(directory), new)
-    with pytest.raises(RunIdentityError, match="algorithm.delta_controller.target=0.03"):
-        check_identity(str(directory), new[:-1] + ["algorithm.delta_controller.target=0.03"])

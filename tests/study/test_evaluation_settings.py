@@ -1,7 +1,13 @@
-"""The study's evaluation settings: the run's response length, micro-batching and UCC criterion,
-the study's sampling, and a noise seed chosen by the study's seed alone (not the run's)."""
+"""The held-out evaluation's settings (an EvalRequest, the study's): the run's response length,
+micro-batching and UCC criterion, the request's sampling, and a noise seed chosen by the request's
+seed alone (not the run's)."""
 from quatro_nemo.engine.config import load_config
-from quatro_nemo.study.evaluation import study_eval_settings
+from quatro_nemo.engine.heldout import EvalRequest, heldout_settings
+
+
+def study_eval_settings(cfg, n_samples, top_p, temperature, seed):
+    return heldout_settings(cfg, EvalRequest(num_problems=1, n_samples=n_samples, top_p=(top_p,),
+                                             temperature=temperature, seed=seed), top_p)
 
 
 def test_study_evaluation_noise_comes_from_the_study_seed_not_the_run_seed():

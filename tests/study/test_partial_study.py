@@ -9,9 +9,11 @@ import os
 
 import pytest
 
-from quatro_nemo.study.analysis import archive_path, load_runs, trust_region_rows
+from quatro_nemo.study.analysis import load_runs, trust_region_rows
+from quatro_nemo.study.kept import archive_path
 from quatro_nemo.study.config import study_config_from_dict
-from quatro_nemo.study.driver import build_plan, start_order, write_report
+from quatro_nemo.study.driver import start_order, write_report
+from quatro_nemo.study.planner import build_plan
 from quatro_nemo.study.stats import REPRODUCED
 
 from .test_claims import fill, load, quatro_wins_final, quatro_wins_train

@@ -9,8 +9,8 @@ import pytest
 from quatro_nemo.algos import ALGORITHMS
 from quatro_nemo.engine.config import load_config
 from quatro_nemo.study.config import StudyConfigError, load_study_config, study_config_from_dict
-from quatro_nemo.study.driver import build_plan
-from quatro_nemo.study.plan import sweep_lines, train_args
+from quatro_nemo.study.planner import build_plan
+from quatro_nemo.study.plan import run_config, sweep_lines, train_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -133,3 +133,24 @@ def test_shipped_study_configs_cover_every_algorithm(name):
     expected = cfg.evaluation.num_problems if cfg.checkpoints.every else 0
     assert all(load_config(list(train_args(cfg)) + list(spec.overrides)).eval.num_problems == expected
                for spec in list(plan.runs.values())[:3])
+
+
+@pytest.mark.parametrize("name", ["design", "adaptive_lr"])
+def test_each_runs_typed_config_is_the_config_of_its_command_line(name):
+    """The study builds each run's config typed (plan.run_config: its algorithm's base config with
+    the run's values); the same run as recipes/train.py arguments (train_args + spec.overrides, the
+    text the SLURM sweep file and the report show) composes by Hydra to the same resolved config.
+    One run of each kind of change: each algorithm, K, lr multiplier, the algorithm fields set and
+    the task (another seed or another value of the same key is the same typed path)."""
+    cfg = load_study_config(name)
+    plan = build_plan(cfg)
+    one_per_kind = {}
+    for spec in plan.runs.values():
+        s = spec.setting
+        kind = (s.algorithm, s.inner_loops, s.lr_multiplier, tuple(k for k, _ in s.algo_overrides), s.task_overrides)
+        one_per_kind.setdefault(kind, spec)
+    assert len(one_per_kind) >= 8
+    for spec in one_per_kind.values():
+        typed = run_config(plan.defaults, spec, "runs/x")
+        composed = load_config(train_args(cfg) + list(spec.overrides) + ["run.dir=runs/x", "run.progress_bar=false"])
+        assert typed.raw == composed.raw, spec.name

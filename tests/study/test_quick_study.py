@@ -54,6 +54,7 @@ def test_quick_study_trains_every_run_and_states_every_claim(tmp_path):
     # stability sweeps' K2 and lr4x points, the ablation's log_ratio=none arm).
     for name in report["runs"]:
         kept = [json.loads(line) for line in gzip.open(out / "metrics" / f"{name}.jsonl.gz", "rt")]
+        assert kept[0]["kind"] == "identity" and kept[0]["request"]["config"]["run"]["seed"] == int(name.rsplit("-s", 1)[1])
         assert [r["step"] for r in kept if r["kind"] == "train"] == list(range(1, 9)), name
         assert [r["step"] for r in kept if r["kind"] == "eval"] == [0, 4, 8], name
         evals = [r for r in kept if r["kind"] == "study_eval"]
@@ -61,7 +62,7 @@ def test_quick_study_trains_every_run_and_states_every_claim(tmp_path):
         assert [(r["top_p"], r["n_samples"]) for r in evals] == ([(0.7, 32), (1.0, 32)] if compared
                                                                  else [(0.7, 16)]), name
         assert all(r["step"] == 8 and len(r["num_correct"]) == 16 for r in evals), name
-    base = [json.loads(line) for line in gzip.open(out / "metrics" / "base.jsonl.gz", "rt")]
+    base = [r for r in map(json.loads, gzip.open(out / "metrics" / "base.jsonl.gz", "rt")) if r["kind"] == "study_eval"]
     assert [(r["top_p"], r["step"], r["n_samples"], len(r["num_correct"])) for r in base] == \
         [(0.7, 0, 32, 16), (1.0, 0, 32, 16)]
 

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from quatro_nemo.study.analysis import breaking_point, write_archive, archive_path
-from quatro_nemo.study.driver import build_plan, finished_rewards
+from quatro_nemo.study.analysis import breaking_point
+from quatro_nemo.study.kept import archive_path, write_archive
+from quatro_nemo.study.planner import build_plan, finished_rewards
 from quatro_nemo.study.plan import searched_points
 from tests.study.test_claims import claims_by_id, eval_records, load, small_study
 

@@ -11,7 +11,7 @@ from scipy import stats as scipy_stats
 
 from quatro_nemo.study.analysis import RunData, Study, claim_higher_than_baselines, claim_stability, final_metric
 from quatro_nemo.study.config import study_config_from_dict
-from quatro_nemo.study.driver import build_plan
+from quatro_nemo.study.planner import build_plan
 from quatro_nemo.study.stats import (INCONCLUSIVE, NOT_REPRODUCED, NOT_TESTED, OPPOSES, PARTLY, REPRODUCED, SUPPORTS,
                                      Comparison, decide, holm_adjust, paired_differences, paired_t)
 

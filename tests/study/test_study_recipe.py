@@ -72,19 +72,30 @@ def test_estimate_costs_the_chosen_study_from_a_timed_one(tmp_path, capsys):
 
 
 def test_interrupted_study_exits_75_and_failed_runs_exit_1(tmp_path, monkeypatch, capsys):
-    def interrupted(cfg, out):
+    def interrupted(cfg, out, **_):
         raise StudyInterrupted([], runs_started=3)
 
     monkeypatch.setattr(driver, "run_study", interrupted)
     assert study_main(["study=quick", f"out={tmp_path}"]) == 75
     assert "the same command continues it" in capsys.readouterr().err
 
-    def failed(cfg, out):
+    def failed(cfg, out, results_dir, publish):
         assert (cfg.name, out) == ("quick", str(tmp_path))
+        # the committed results of the study's name count as done; publishing them is asked for
+        assert (results_dir, publish) == (os.path.join(ROOT, "docs", "study_results", "quick"), False)
         return {"claims": [], "paths": {"markdown": os.path.join(out, "report.md")}, "info": {"failed_runs": ["a"]}}
 
     monkeypatch.setattr(driver, "run_study", failed)
     assert study_main(["study=quick", f"out={tmp_path}"]) == 1
+
+    def published(cfg, out, results_dir, publish):
+        assert (results_dir, publish) == (str(tmp_path / "results"), True)
+        return {"claims": [], "paths": {"markdown": os.path.join(out, "report.md")}, "info": {}}
+
+    monkeypatch.setattr(driver, "run_study", published)
+    assert study_main(["study=quick", f"out={tmp_path}", f"results={tmp_path / 'results'}", "publish=true"]) == 0
+    assert study_main(["study=quick", f"out={tmp_path}", "publish=true", "report_only=true"]) == 2
+    assert "config key publish" in capsys.readouterr().err
 
 
 def test_a_study_config_of_ones_own_is_chosen_with_config_dir(tmp_path):

@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from quatro_nemo.study.analysis import EVAL_KIND, archive_path, write_archive
+from quatro_nemo.study.analysis import EVAL_KIND
+from quatro_nemo.study.kept import archive_path, write_archive
 from quatro_nemo.study.config import load_study_config
-from quatro_nemo.study.driver import INVOCATIONS_FILE
-from quatro_nemo.study.timing import estimate_minutes, measured_costs
+from quatro_nemo.study.timing import INVOCATIONS_FILE, estimate_minutes, measured_costs
 
 
 def timed_run(study_dir, name, optimizer_steps, step_s, samples_per_record, records, evaluate_s):
