@@ -106,3 +106,19 @@ def test_an_evaluation_request_names_a_bad_key(fields, key):
     values.update(fields)
     with pytest.raises(ConfigError, match=key):
         EvalRequest(**values)
+
+
+def test_a_trained_run_is_not_retrained_but_continues_to_more_steps(tmp_path, monkeypatch):
+    """recipes/train.py trainer.steps=3 on a run trained to 2 steps (its report.json written, its
+    newest checkpoint at step 2) trains step 3, as scripts/gpu_check.sh's resume does; the same
+    steps again train nothing."""
+    from quatro_nemo.engine import api
+
+    trained = []
+    monkeypatch.setattr(api, "train", lambda cfg: trained.append(cfg.trainer.steps))
+    (tmp_path / "report.json").write_text("{}")   # what the loop writes when a run finishes
+    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000002" / "COMPLETE").write_text("{}")
+    for steps in (2, 3):
+        api.run(RunRequest(load_config([f"run.dir={tmp_path}", f"trainer.steps={steps}"])))
+    assert trained == [3]
