@@ -12,6 +12,12 @@
     torchrun --nproc-per-node 8 recipes/convert_checkpoint.py run-to-hf --out export/ [--step 120] \
         -- config=quatro_7b run.dir=/scratch/runs/q7b
 
+    # a training run's checkpoint, before the run resumes at other TP/PP sizes: written again
+    # beside itself in a format any layout loads. Run at the TP and PP sizes that saved it (any
+    # data-parallel size, e.g. one process per model shard); key=value overrides after -- (e.g.
+    # trainer.device=cpu to convert on CPUs, over gloo):
+    torchrun --nproc-per-node 2 recipes/convert_checkpoint.py reshard /scratch/runs/q7b [--step 120]
+
     # HF -> megatron -> HF must give identical tensors
     python recipes/convert_checkpoint.py verify --hf checkpoints/Qwen2.5-Math-1.5B
 
@@ -102,6 +108,35 @@ def run_to_hf(out: str, train_args: Sequence[str], step: Optional[int] = None) -
     export_megatron_to_hf(model, cfg, out, base_config=base, tokenizer_dir=hf_dir if base else None)
 
 
+def reshard(run_dir: str, step: Optional[int] = None, overrides: Sequence[str] = ()) -> str:
+    """Every rank of a layout with the saved TP and PP sizes (any data-parallel size): build the
+    run's model, DDP and optimizer from its own config.yaml (with ``overrides``), load checkpoint
+    ``step`` (default: the newest) and write it again in the fully_reshardable format beside
+    itself (``quatro_nemo.engine.checkpoint.write_reshardable_copy``). Returns the new folder."""
+    from omegaconf import OmegaConf
+
+    from quatro_nemo.engine import checkpoint as ckpt
+    from quatro_nemo.engine.config import validate
+    from quatro_nemo.engine.loop import build_training_state, select_device
+    from quatro_nemo.engine.task import build_task
+    from quatro_nemo.megatron.models import build_model
+    from quatro_nemo.megatron.parallel import initialize_parallel
+
+    config_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path}: not a run directory (no config.yaml)")
+    config = validate(OmegaConf.merge(OmegaConf.load(config_path), OmegaConf.from_dotlist(list(overrides))))
+    step = ckpt.latest_step(run_dir) if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no complete checkpoint under {run_dir}/checkpoints")
+    saved = ckpt.saved_layout(run_dir, step)
+    select_device(config.trainer.device)
+    initialize_parallel(saved["tensor"], saved["pipeline"], seed=config.run.seed)
+    policy = build_model(build_task(config).model_config(config.model))
+    policy_ddp, optimizer = build_training_state(policy, config.trainer, config.scale.distributed_optimizer)
+    return ckpt.write_reshardable_copy(run_dir, step, policy_ddp, optimizer)
+
+
 def main(argv: Sequence[str]) -> int:
     argv = list(argv)
     train_args: List[str] = []
@@ -123,6 +158,10 @@ def main(argv: Sequence[str]) -> int:
     p = sub.add_parser("run-to-hf")
     p.add_argument("--out", required=True)
     p.add_argument("--step", type=int, default=None)
+    p = sub.add_parser("reshard")
+    # positional: torchrun's own parser would take "--run" for its --run-path
+    p.add_argument("run_dir", help="the run directory (run.dir)")
+    p.add_argument("--step", type=int, default=None)
     p = sub.add_parser("verify")
     p.add_argument("--hf", required=True)
     args = parser.parse_args(argv)
@@ -133,6 +172,10 @@ def main(argv: Sequence[str]) -> int:
             megatron_to_hf(args.megatron, args.out, args.tokenizer)
         elif args.command == "run-to-hf":
             run_to_hf(args.out, train_args, args.step)
+        elif args.command == "reshard":
+            written = reshard(args.run_dir, args.step, train_args)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"written: {written}; resume the run at its new layout")
         else:
             bad = verify(args.hf)
             if bad:

@@ -179,14 +179,13 @@ def preflight(request: RunRequest) -> RunDir:
 
 
 def run(request: RunRequest) -> RunDir:
-    """Train the request's run (resuming from its newest checkpoint; a run trained to the
-    request's ``trainer.steps`` is not retrained, one trained to fewer continues: the same command
-    with more steps), then, with ``request.evaluation``, evaluate its final policy into the
-    directory's evaluation records, which carry the seconds of each phase (``job_seconds``). A
-    SIGTERM or SIGUSR1 makes the training checkpoint and raise ``Preempted`` (recipes exit 75 on it)."""
+    """Train the request's run (resuming from its newest checkpoint; a run whose finished training
+    has ``trainer.steps`` steps already is not retrained, one asked for more steps extends), then, with ``request.evaluation``, evaluate its final policy into the directory's
+    evaluation records, which carry the seconds of each phase (``job_seconds``). A SIGTERM or
+    SIGUSR1 makes the training checkpoint and raise ``Preempted`` (recipes exit 75 on it)."""
     directory = RunDir(request.config.run.dir)
     started = time.perf_counter()
-    if not directory.is_trained() or (directory.latest_step() or 0) < request.config.trainer.steps:
+    if not directory.is_trained(request.config.trainer.steps):
         train(request.config)
     trained = time.perf_counter()
     if request.evaluation is not None:

@@ -3,11 +3,14 @@
 Layout under the run directory:
 
     checkpoints/step_000010/model_optim/     megatron dist_checkpointing (torch_dist): model and
-                                             optimizer shards, written by every rank in parallel
+                                             optimizer shards, each rank writing its own share
     checkpoints/step_000010/rng/rank_003.pt  each rank's random-number generator states
     checkpoints/step_000010/COMPLETE         step and the layout that saved it
     checkpoints/step_000010/<name>           rank 0's further files (``save_checkpoint(files=)``):
                                              rollouts.pt, the rollouts in flight (rollout_store)
+    checkpoints/step_000010/model_optim_reshardable/
+                                             only after ``recipes/convert_checkpoint.py reshard``:
+                                             the same state in a format any TP/PP sizes load
 
 A checkpoint is written under ``step_000010.tmp`` and renamed by rank 0 once every rank has
 finished and ``COMPLETE`` is in it, so a process killed at any instant (SIGKILL included) leaves
@@ -15,10 +18,15 @@ the previous complete checkpoint and an ignored ``.tmp`` folder, never a half-wr
 under a final name.
 
 The model and optimizer shards carry their global shapes and offsets
-(:mod:`quatro_nemo.megatron.dist_checkpoint`), so a run saved at one TP x PP x DP layout resumes at
-another. The RNG states are per rank and are restored only at the same layout; the loop's own
-randomness does not depend on them (rollout seeds are derived from (seed, step),
-``step_rollout.derive_seed``), so a resharded resume is exact too where dropout is off.
+(:mod:`quatro_nemo.megatron.dist_checkpoint`). Every save writes the distributed optimizer in
+megatron's ``dp_reshardable`` format, so a run resumes at any data-parallel size but only at the
+TP and PP sizes that saved it. To change those, ``recipes/convert_checkpoint.py reshard`` (run at
+the saved TP and PP sizes, any DP size) loads the checkpoint and writes it again beside itself in
+the ``fully_reshardable`` format (:func:`write_reshardable_copy`), which a run at other TP/PP sizes
+then loads; resuming at other TP/PP sizes without it is refused with that command. The RNG states
+are per rank and are restored only at the same layout; the loop's own randomness does not depend
+on them (rollout seeds are derived from (seed, step), ``step_rollout.derive_seed``), so a
+resharded resume is exact too where dropout is off.
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ from quatro_nemo.megatron.collectives import barrier
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 COMPLETE = "COMPLETE"
 SHARDS = "model_optim"
+RESHARDABLE_SHARDS = "model_optim_reshardable"
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -199,10 +208,43 @@ def load_checkpoint(run_dir: str, step: int, ddp_model, optimizer, layout: Dict[
             "with megatron-core 0.16.1 such a checkpoint reloads a wrong embedding matrix after a "
             "training step (docs/cluster.md, 'Known limits'); train tied-embedding models at "
             "parallel.pipeline=1, or untie them (model.tie_embeddings=false)")
-    common = dist_checkpoint.load_sharded(os.path.join(folder, SHARDS), ddp_model, optimizer)
-    if saved_layout(run_dir, step) == layout:
+    shards, reshardable_copy = os.path.join(folder, SHARDS), os.path.join(folder, RESHARDABLE_SHARDS)
+    if any(saved["layout"][key] != layout[key] for key in ("tensor", "pipeline")) and os.path.isdir(reshardable_copy):
+        shards = reshardable_copy
+    try:
+        common = dist_checkpoint.load_sharded(shards, ddp_model, optimizer)
+    except dist_checkpoint.ReshardRequired as exc:
+        raise ValueError(
+            f"{exc}: torchrun --nproc-per-node=<a multiple of {exc.saved_tensor * exc.saved_pipeline}> "
+            f"recipes/convert_checkpoint.py reshard {run_dir} --step {step} (docs/cluster.md, "
+            f"'Checkpoints'), then start this run again") from None
+    if saved["layout"] == layout:
         set_rng_state(torch.load(_rng_path(folder), weights_only=False))
     return common
+
+
+def write_reshardable_copy(run_dir: str, step: int, ddp_model, optimizer) -> str:
+    """Load checkpoint ``step`` into ``ddp_model`` and ``optimizer`` (built at the TP and PP sizes
+    that saved it, any data-parallel size) and write its model and optimizer state again, in the
+    ``fully_reshardable`` format, beside the routine copy: ``step_N/model_optim_reshardable``,
+    written under ``.tmp`` and renamed once complete, so the checkpoint stays whole whatever
+    happens meanwhile. A run at other TP/PP sizes then resumes from it (:func:`load_checkpoint`).
+    Collective; returns the new folder."""
+    folder = checkpoint_dir(run_dir, step)
+    common = dist_checkpoint.load_sharded(os.path.join(folder, SHARDS), ddp_model, optimizer)
+    target = os.path.join(folder, RESHARDABLE_SHARDS)
+    partial = target + ".tmp"
+    if parallel.global_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    barrier()
+    dist_checkpoint.save_sharded(partial, ddp_model, optimizer, common,
+                                 optimizer_format=dist_checkpoint.RESHARDABLE_FORMAT)
+    barrier()
+    if parallel.global_rank() == 0:
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(partial, target)
+    barrier()
+    return target
 
 
 def load_model_weights(run_dir: str, step: int, model) -> None:

@@ -128,10 +128,13 @@ ImportanceCorrectionSetting = choices("ImportanceCorrectionSetting", ("auto", *c
                                       __name__)
 
 
-def resolve_importance_correction(setting: str, backend: str, params_dtype: str) -> ImportanceCorrection:
+def resolve_importance_correction(setting: str, backend: str, params_dtype: str,
+                                  proximal_pipeline: bool = False) -> ImportanceCorrection:
     """``rollout.importance_correction``: ``auto`` -> token-level truncated importance sampling
     where the engine and the trainer compute the log-probs with different kernels at a precision
-    where that shows, none where they agree; any other setting as it is.
+    where that shows, none where they agree or where the rollout pipeline's proximal correction
+    already weights the loss by pi_prox / mu (``proximal_pipeline``: max_staleness > 0 with
+    correction=proximal, docs/quatro-math.md Sec. 9.5); any other setting as it is.
 
     ============  ===============  ========  ==================================================
     backend       params_dtype     auto ->   why
@@ -151,7 +154,7 @@ def resolve_importance_correction(setting: str, backend: str, params_dtype: str)
     weight tokens, with ``rollout.importance_cap`` (C = 2, theirs)."""
     if setting != "auto":
         return ImportanceCorrection(setting)
-    if backend == RolloutBackendName.vllm and params_dtype != "float32":
+    if backend == RolloutBackendName.vllm and params_dtype != "float32" and not proximal_pipeline:
         return ImportanceCorrection.token
     return ImportanceCorrection.none
 
@@ -175,8 +178,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         coerce_choices(self, "rollout")
-        if (self.pipeline.max_staleness > 0 and self.pipeline.correction == OffPolicyCorrection.proximal
-                and self.importance_correction != "none"):
+        if self.weighs_by_proximal_ratio() and self.importance_correction not in ("auto", "none"):
             raise ConfigError("rollout.importance_correction and rollout.pipeline.correction=proximal both weight "
                               "the loss by pi_prox / mu when rollout.pipeline.max_staleness > 0: set one of them "
                               "to none (docs/quatro-math.md Sec. 9.5)")
@@ -188,6 +190,10 @@ class RolloutConfig:
         check_positive("rollout.temperature", self.temperature)
         check_at_least("rollout.n", self.n, 2, "a group needs several responses")
         check_in_unit_interval("rollout.top_p", self.top_p)
+
+    def weighs_by_proximal_ratio(self) -> bool:
+        """Whether the rollout pipeline's proximal correction weights the loss by pi_prox / mu."""
+        return self.pipeline.max_staleness > 0 and self.pipeline.correction == OffPolicyCorrection.proximal
 
 
 @dataclass
@@ -411,7 +417,8 @@ def validate(cfg: DictConfig) -> ExperimentConfig:
     sections = {f.name: _section_object(tree, f.name) for f in dataclasses.fields(ExperimentSections)}
     rollout = sections["rollout"]
     tree.rollout.importance_correction = rollout.importance_correction = ImportanceCorrectionSetting(
-        resolve_importance_correction(rollout.importance_correction, rollout.backend, sections["model"].params_dtype))
+        resolve_importance_correction(rollout.importance_correction, rollout.backend, sections["model"].params_dtype,
+                                      rollout.weighs_by_proximal_ratio()))
     raw = OmegaConf.create(OmegaConf.to_container(tree, enum_to_str=True))  # plain data: choices as strings
     experiment = ExperimentConfig(algorithm_name=tree.algorithm.name, raw=raw, **sections)
     check_engine_support(experiment)

@@ -89,8 +89,19 @@ class RunDir:
     def latest_step(self) -> Optional[int]:
         return ckpt.latest_step(self.path)
 
-    def is_trained(self) -> bool:
-        return os.path.isfile(self.file(REPORT_FILE))
+    def trained_steps(self) -> Optional[int]:
+        """How many steps the finished training ran (its report), None before any finished."""
+        path = self.file(REPORT_FILE)
+        if not os.path.isfile(path):
+            return None
+        with open(path) as handle:
+            return int(json.load(handle)["steps"])
+
+    def is_trained(self, steps: int = 0) -> bool:
+        """Whether a training of at least ``steps`` steps finished here (0: of any length). A run
+        re-requested with more steps is not trained yet: it resumes and extends."""
+        trained = self.trained_steps()
+        return trained is not None and trained >= steps
 
     def is_evaluated(self) -> bool:
         return os.path.isfile(self.file(EVALUATION_FILE))

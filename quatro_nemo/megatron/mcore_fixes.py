@@ -1,9 +1,10 @@
 """Work-arounds for megatron-core bugs on the optimizer paths this project uses.
 
-Each applies only to the megatron-core releases from the first to the last of
+Fixes 1-3 apply only to the megatron-core releases from the first to the last of
 :data:`AFFECTED_VERSIONS` and only on the ``torch.optim.AdamW`` fallback megatron takes without Transformer Engine or apex
 (``USING_PYTORCH_OPTIMIZER``: the CPU machines; GPU clusters with TE use FusedAdam, which keeps
-'step' per parameter group and is not affected). Each is covered by a test that fails without it
+'step' per parameter group and is not affected); fix 4 always (a no-op where it is not needed).
+Each is covered by a test that fails without it, on both releases
 (``tests/megatron/test_dist_checkpoint.py``).
 
 1. Saving or loading before the first step: the distributed optimizer's ``state_dict()`` reads
@@ -12,14 +13,26 @@ Each applies only to the megatron-core releases from the first to the last of
    fresh AdamW (zero moments, step 0) with megatron's own ``_init_optimizer_states_with_dummy_
    values`` (a step on zero gradients) run at learning rate 0, so that decoupled weight decay
    cannot move the parameters, and the steps reset to 0.
-2. A ``fully_reshardable`` load fails with ``KeyError: 'step'``: the checkpoint's per-parameter
-   tensors hold param/exp_avg/exp_avg_sq, but ``_set_main_param_and_optimizer_states`` copies
-   every key of the live state, 'step' included (``distrib_optimizer.py``). 'step' itself comes
-   back through the optimizer's param groups. Fix: hand that method the live 'step' as the
-   source of its own copy (a no-op copy), per optimizer instance.
+2. The per-parameter 'step' of a load: ``_set_main_param_and_optimizer_states`` copies every key
+   of the live state, 'step' included, from the loaded per-parameter tensors
+   (``distrib_optimizer.py``), while 'step' itself comes back through the optimizer's param
+   groups (``load_state_dict``, which runs first). A ``fully_reshardable`` checkpoint holds no
+   'step' there: the load fails with ``KeyError: 'step'``. A ``dp_reshardable`` one hands back
+   the load template's own 'step' (a ``LocalNonpersistentObject`` taken before the load, i.e.
+   the fresh optimizer's): the copy resets every restored step to it, and the resumed steps use
+   a wrong Adam bias correction. Fix: hand that method the live 'step' as the source of its own
+   copy (a no-op copy), per optimizer instance.
 3. One 'step' tensor for all parameters: loading gives every parameter state the *same* 'step'
    tensor object, which torch AdamW then increments once per parameter on the next step (wrong
    bias correction after a resume). Fix: give each parameter its own copy after loading.
+
+4. A ``dp_reshardable`` load fails with "a view of a leaf Variable that requires grad is being
+   used in an in-place operation": ``load_parameter_state_from_dp_reshardable`` lacks the
+   ``@torch.no_grad()`` of its ``fully_reshardable`` twin, and for float32 parameters the
+   distributed optimizer's master shard is a view of the parameter itself
+   (``distrib_optimizer.py``, ``_build_model_and_main_param_groups``). bf16 models (the GPU
+   configs) keep separate float32 masters and are not affected. Fix: load under
+   ``torch.no_grad()``, which is what the load means anyway.
 """
 from __future__ import annotations
 
@@ -110,20 +123,21 @@ def _with_live_step(opt):
     original = opt._set_main_param_and_optimizer_states
 
     def set_states(model_param, tensors):
-        if "step" not in tensors:
-            group_index, group_order = opt.model_param_group_index_map[model_param]
-            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
-            live_step = opt.optimizer.state[main_param].get("step")
-            if live_step is not None:
-                tensors = dict(tensors, step=live_step)
+        group_index, group_order = opt.model_param_group_index_map[model_param]
+        main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+        live_step = opt.optimizer.state[main_param].get("step")
+        if live_step is not None:
+            tensors = dict(tensors, step=live_step)
         original(model_param, tensors)
 
     return set_states
 
 
 def load_optimizer_state(optimizer, state: Dict[str, Any]) -> None:
-    """``optimizer.load_state_dict(state)``, then fix 3 (one 'step' tensor per parameter)."""
-    optimizer.load_state_dict(state)
+    """``optimizer.load_state_dict(state)`` without autograd (fix 4), then fix 3 (one 'step'
+    tensor per parameter)."""
+    with torch.no_grad():
+        optimizer.load_state_dict(state)
     if not _affected(optimizer):
         return
     for inner in _inner_optimizers(optimizer):

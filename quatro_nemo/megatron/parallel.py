@@ -201,10 +201,12 @@ def dp_size() -> int:
     return ps.get_data_parallel_world_size()
 
 
-def dp_group():
+def dp_group(with_context_parallel: bool = False):
+    """The data-parallel group; with its context-parallel ranks too where asked (the ranks that
+    hold the same model shard, over which checkpoints spread their work)."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_data_parallel_group()
+    return ps.get_data_parallel_group(with_context_parallel=with_context_parallel)
 
 
 def tp_rank() -> int:

@@ -246,7 +246,7 @@ def _ended(report: Dict, started: Dict[str, Tuple[RunSpec, float]], study_dir: s
     spec, since = started.pop(name)
     request = study.request(spec)
     directory = RunDir(request.config.run.dir)
-    complete = directory.is_evaluated() if request.evaluation is not None else directory.is_trained()
+    complete = directory.is_evaluated() if request.evaluation is not None else directory.is_trained(request.config.trainer.steps)
     status = ("done" if code == 0 and complete else "stopped" if code == PREEMPTED_EXIT_CODE else "failed")
     result = RunResult(name, status, time.time() - since, code, report["cpu"])
     study.ended(spec, result)

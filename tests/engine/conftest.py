@@ -8,6 +8,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "recipes" / "train.py")
+CONVERT = str(REPO / "recipes" / "convert_checkpoint.py")
 
 # Small everything: a 2-layer model, a short warm-start (cached per test session), 8 prompts x 4.
 TINY = [
@@ -44,11 +45,16 @@ def tiny_args(warm_cache):
 
 def run_train(args, nproc=1, timeout=600, **popen):
     """Start recipes/train.py (under torchrun when nproc > 1) as a subprocess."""
+    return run_recipe(TRAIN, args, nproc, **popen)
+
+
+def run_recipe(script, args, nproc=1, **popen):
+    """Start the recipe ``script`` (under torchrun when nproc > 1) as a subprocess."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if nproc == 1:
-        command = [sys.executable, TRAIN, *args]
+        command = [sys.executable, script, *args]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", TRAIN, *args]
+                   f"--nproc-per-node={nproc}", script, *args]
     return subprocess.Popen(command, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **popen)

@@ -108,17 +108,17 @@ def test_an_evaluation_request_names_a_bad_key(fields, key):
         EvalRequest(**values)
 
 
-def test_a_trained_run_is_not_retrained_but_continues_to_more_steps(tmp_path, monkeypatch):
-    """recipes/train.py trainer.steps=3 on a run trained to 2 steps (its report.json written, its
-    newest checkpoint at step 2) trains step 3, as scripts/gpu_check.sh's resume does; the same
-    steps again train nothing."""
+def test_run_trains_until_the_requested_steps_and_extends_a_shorter_run(tmp_path, base, monkeypatch):
+    """recipes/train.py goes through ``run``: re-running a finished 2-step run with
+    ``trainer.steps=3`` must train (resume and extend), re-running it with 2 must not."""
     from quatro_nemo.engine import api
 
     trained = []
-    monkeypatch.setattr(api, "train", lambda cfg: trained.append(cfg.trainer.steps))
-    (tmp_path / "report.json").write_text("{}")   # what the loop writes when a run finishes
-    (tmp_path / "checkpoints" / "step_000002").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step_000002" / "COMPLETE").write_text("{}")
+    monkeypatch.setattr(api, "train", lambda config: trained.append(config.trainer.steps))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "report.json").write_text(json.dumps({"steps": 2}))   # a finished 2-step training
     for steps in (2, 3):
-        api.run(RunRequest(load_config([f"run.dir={tmp_path}", f"trainer.steps={steps}"])))
+        api.run(RunRequest(configured(base, {"run.dir": str(run_dir), "trainer.steps": steps})))
     assert trained == [3]
+    assert api.RunDir(str(tmp_path / "empty")).is_trained() is False

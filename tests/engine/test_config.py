@@ -199,6 +199,9 @@ def test_importance_correction_auto_resolves_by_backend_and_precision(setting, b
     from quatro_nemo.engine.config import resolve_importance_correction
 
     assert resolve_importance_correction(setting, backend, params_dtype) == resolved
+    # under the pipeline's proximal correction auto adds no second pi_prox / mu weight
+    expected = "none" if setting == "auto" else resolved
+    assert resolve_importance_correction(setting, backend, params_dtype, proximal_pipeline=True) == expected
 
 
 @pytest.mark.parametrize("argv, resolved", [
@@ -206,6 +209,9 @@ def test_importance_correction_auto_resolves_by_backend_and_precision(setting, b
     (["config=cpu_vllm"], "none"),                                    # vLLM's CPU build, float32
     (["config=quatro_7b"], "token"),                                  # bf16 vLLM on GPUs
     (["config=quatro_7b", "rollout.importance_correction=none"], "none"),
+    # the pipeline's proximal correction already weights by pi_prox / mu (docs/quatro-math.md Sec. 9.5)
+    (["config=quatro_7b", "rollout.pipeline.max_staleness=1"], "none"),
+    (["rollout.pipeline.max_staleness=1"], "none"),
 ])
 def test_the_resolved_importance_correction_is_what_the_run_uses_and_saves(argv, resolved, tmp_path):
     cfg = load_config(argv)

@@ -235,18 +235,30 @@ def test_sigterm_then_sigusr1_each_checkpoint_and_exit_75_then_the_run_resumes(r
 
 
 def test_resume_at_another_layout_continues_the_run(reference_run, tmp_path):
-    """Sharded checkpoints reshard: one step at each layout in turn, TP1 -> TP2 -> DP2 -> PP2
-    (so TP1->2, TP2->1, DP1->2 and PP1->2 are crossed), each resuming the previous layout's
-    checkpoint, give the records of the uninterrupted single-process run: identical rollouts and
-    rewards, and losses/gradient norms equal up to float32 reduction order. (A tied-embedding
+    """Sharded checkpoints reshard: one step at each layout in turn, TP1 -> DP2 -> TP2 -> PP2, each
+    resuming the previous layout's checkpoint, give the records of the uninterrupted
+    single-process run: identical rollouts and rewards, and losses/gradient norms equal up to
+    float32 reduction order. DP1 -> DP2 resumes from the routine checkpoint as saved; a TP/PP
+    change is first refused with the command that converts, then made after
+    ``recipes/convert_checkpoint.py reshard`` ran at the saved TP/PP sizes: once at another
+    data-parallel size (one process for the DP2 checkpoint), once at the same. (A tied-embedding
     checkpoint saved at PP=2 is refused on load: docs/cluster.md, "Known limits".)"""
+    from .conftest import CONVERT, run_recipe
+
     args, reference_dir = reference_run
     run_dir = str(tmp_path / "resharded")
     args = [a if not a.startswith("run.dir=") else f"run.dir={run_dir}" for a in args]
     args = [a for a in args if not a.startswith("trainer.steps=")]
-    layouts = [(1, []), (2, ["parallel.tensor=2"]), (2, []), (2, ["parallel.pipeline=2"])]
-    for step, (nproc, extra) in enumerate(layouts, start=1):
-        code, output = finish(run_train(args + [f"trainer.steps={step}"] + extra, nproc=nproc))
+    # (processes, overrides, processes of the conversion before it: 0 for none)
+    layouts = [(1, [], 0), (2, [], 0), (2, ["parallel.tensor=2"], 1), (2, ["parallel.pipeline=2"], 2)]
+    for step, (nproc, extra, convert_nproc) in enumerate(layouts, start=1):
+        step_args = args + [f"trainer.steps={step}"] + extra
+        if convert_nproc:
+            code, output = finish(run_train(step_args, nproc=nproc))
+            assert code != 0 and "recipes/convert_checkpoint.py reshard" in output, output[-3000:]
+            code, output = finish(run_recipe(CONVERT, ["reshard", run_dir], nproc=convert_nproc))
+            assert code == 0 and "model_optim_reshardable" in output, output[-3000:]
+        code, output = finish(run_train(step_args, nproc=nproc))
         assert code == 0, f"layout {extra or nproc}: {output}"
     got = {(r["step"], r["kind"]): r for r in train_records(run_dir)}
     expected = {(r["step"], r["kind"]): r for r in train_records(reference_dir)}
