@@ -1,36 +1,58 @@
 #!/usr/bin/env bash
-# The GPU check: the product's own recipes/train.py on one GPU, in under 10 minutes.
+# The GPU check: one prepared script, within 10 minutes on one H200 or H100, that asserts what it
+# measures (the product itself: recipes/train.py and the engine's own pieces).
 #
 #     bash scripts/gpu_check.sh [WHEEL_DIR] [key=value ...]     (from anywhere; runs in the repo root)
 #
-# conf/gpu_check.yaml: a randomly initialised Qwen2-0.5B (conf/model/qwen2_0p5b.yaml, no download)
-# with the cluster configs' settings scaled down to one GPU. For each rollout backend (megatron,
-# then vllm where `import vllm` works, then "packed": megatron with token-budget micro-batches
-# packed into THD sequences where Transformer Engine imports; a missing one is reported skipped):
-#   1. recipes/train.py config=gpu_check rollout.backend=B trainer.steps=2   (checkpoints each step)
-#   2. the same command with trainer.steps=3: resumes from its step-2 checkpoint, trains step 3
-# then prints, per backend, step time, tokens/s, the training state's offload/reload seconds around
-# vLLM's rollouts (pinned host buffers on a GPU) and the peak GPU memory (nvidia-smi, sampled every
-# 0.5 s) next to the prediction of recipes/plan_memory.py, and a final GPU_CHECK_RESULT {json} line
-# (also $OUT/gpu_check.json when $OUT is set). Exit code 0 when every attempted run passed.
-# key=value arguments go to every recipes/train.py and plan_memory.py call (e.g. trainer.device=cpu
-# and a tiny model.*: tests/conversion/test_gpu_check_smoke.py runs this script on the CPU).
+# Its parts, in this order (vLLM first: the likeliest to fail); a part whose library does not
+# import is reported skipped, not failed:
+#   env       always: driver, CUDA, cuDNN, NCCL, package versions, TE's attention backend, megatron's
+#             Adam (FusedAdam or torch's AdamW) (scripts/gpu_check_env.py)
+#   engine    vLLM: the 7B run's engine alone (conf/quatro_7b.yaml's model, dummy weights, vLLM's
+#             memory share of an 80 GB GPU): construction, sleep residual (vLLM's own log line),
+#             push and wake seconds, decode tokens/s at 256 and 512 sequences (gpu_check_engine.py)
+#   vllm      vLLM: the vLLM backend at the 1.5B shape with full recompute and the 8k token budget,
+#             2 steps, then a resumed 3rd, with vllm.check_push (quatro_nemo/engine/push_check.py)
+#   megatron  the megatron backend on the 0.5B model with full recompute, 2 steps + a resumed 3rd
+#   packed    Transformer Engine: the megatron backend with THD-packed token-budget micro-batches, 2 steps
+#   hf        an HF Qwen2 checkpoint loaded into this device's megatron model (TE's layer names where
+#             TE imports) against transformers' logits, and exported back (gpu_check_hf.py)
+# Each training part runs recipes/train.py config=gpu_check (conf/gpu_check.yaml; through
+# scripts/gpu_check_train.py, whose only change is a reward a random policy earns half the time, so
+# that every step takes optimizer steps) and the planner (recipes/plan_memory.py) for the same
+# config; scripts/gpu_check_report.py then asserts:
+# steps 1-3 logged, resumed, each with an optimizer step; the engine gap of every step
+# (engine_gap/token_abs_mean < 0.03, seq_ratio_mean in [0.9, 1.1]; the megatron sampler's own
+# log-probs too); for vllm, no weight-load warning of vLLM's in the log and every push's layer
+# outputs equal to megatron's weights (engine_push/*_rel_err < 0.02); the engine probe and the HF
+# round trip ran clean. It prints each
+# run phase's seconds, torch.cuda peaks and host peak (kind "phases" records of metrics.jsonl:
+# quatro_nemo/engine/phase_peaks.py) next to the planner's phases, and a final
+# GPU_CHECK_RESULT {json} line. A line "[gpu_check] PART: ... took N s" follows every command.
+# Exit code 0 when every part that ran passed (and at least one ran).
+#
+# key=value arguments go to every recipes/train.py, plan_memory.py and engine probe call (e.g.
+# trainer.device=cpu and a tiny model.*: tests/conversion/test_gpu_check_smoke.py and
+# tests/vllm/test_gpu_check_real_engine.py run this script on the CPU).
 #
 # Dependencies: torch (with CUDA) must be installed. When megatron-core or the other pure-Python
-# dependencies (requirements/gpu_check.txt, at the GPU image's versions: locks/gpu_check.txt) are
-# missing, they are installed hash-checked without an index from WHEEL_DIR (or $QUATRO_WHEELS),
-# prepared with Python 3.12 where a registry is reachable:
+# dependencies (requirements/gpu_check.txt, at the GPU image's versions: locks/gpu_check.txt) do not
+# import (PYTHONPATH counts: a --target folder works), they are installed hash-checked without an
+# index from WHEEL_DIR (or $QUATRO_WHEELS), prepared with Python 3.12 where a registry is reachable:
 #     pip download --no-deps --require-hashes --dest wheels/ -r requirements/locks/gpu_check.txt
-# Environment: GPU_CHECK_DIR (run directories; default runs/gpu_check-<UTC time>),
-# GPU_CHECK_BACKENDS (default "megatron vllm packed"), GPU_CHECK_TOKEN_BUDGET (packed: tokens per
-# micro-batch, default 8192), GPU_CHECK_BUDGET_S (seconds all train.py commands
-# together may take, default 540: a command is stopped when the budget is spent and the check fails),
-# PYTHON (default: the repository's .venv, else python3).
+# Environment: GPU_CHECK_PARTS (default "engine vllm megatron packed hf"), GPU_CHECK_BUDGET_S
+# (seconds all parts together may take, default 540: a command still running then is stopped and
+# its part fails; a part not started is "out of time"), GPU_CHECK_DIR (default
+# runs/gpu_check-<UTC time>), GPU_CHECK_TOKEN_BUDGET (tokens per micro-batch of vllm and packed,
+# default 8192), GPU_CHECK_DECODE_SEQUENCES (default "256 512") and GPU_CHECK_DECODE_TOKENS
+# (default 256) for the engine probe, PYTHON (default: the repository's .venv, else python3), OUT
+# (when set: the summary gpu_check.json and the parts' logs are copied there, at most 8 files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
 say() { echo "[gpu_check] $*"; }
@@ -54,19 +76,22 @@ fi
 check_dir=${GPU_CHECK_DIR:-runs/gpu_check-$(date -u +%Y%m%dT%H%M%S)}
 mkdir -p "$check_dir"
 check_dir=$(cd "$check_dir" && pwd)
+budget=${GPU_CHECK_BUDGET_S:-540}
+deadline=$((SECONDS + budget))
+token_budget=${GPU_CHECK_TOKEN_BUDGET:-8192}
+: > "$check_dir/commands.tsv"
 
 gpu=0
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     gpu=1
-    nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv
     total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-    # the planner sizes vLLM against this GPU unless the caller chose a size
+    # the planner plans for this GPU (its size, and vLLM's share of its exact total) unless the
+    # caller chose a size
     [[ " ${overrides[*]} " == *" cluster.gpu_memory_gb="* ]] \
-        || overrides=("cluster.gpu_memory_gb=$((total_mib * 1048576 / 1000000000))" "${overrides[@]}")
+        || overrides=("cluster.gpu_memory_gb=$((total_mib * 1048576 / 1000000000))"
+                      "cluster.gpu_total_mib=$total_mib" "${overrides[@]}")
 fi
-
-say "memory plan (recipes/plan_memory.py config=gpu_check rollout.backend=vllm ${overrides[*]})"
-"$PYTHON" recipes/plan_memory.py config=gpu_check rollout.backend=vllm "${overrides[@]}" --json-file="$check_dir/plan.json"
 
 sampler=""
 start_memory_sampler() {  # start_memory_sampler FILE: nvidia-smi's used memory (MiB) every 0.5 s
@@ -82,45 +107,89 @@ stop_memory_sampler() {
 }
 trap stop_memory_sampler EXIT
 
-deadline=$((SECONDS + ${GPU_CHECK_BUDGET_S:-540}))
-backends=()
-for backend in ${GPU_CHECK_BACKENDS:-megatron vllm packed}; do
-    if [ "$backend" = vllm ] && ! "$PYTHON" -c "import vllm" >/dev/null 2>&1; then
-        say "vllm: skipped (vllm is not importable here)"
-        echo "vllm is not importable" > "$check_dir/vllm.skipped"
-        continue
+# timed PART LABEL COMMAND...: the command under what is left of the budget, its output appended
+# to PART.log; prints and records (commands.tsv) its seconds and exit code (124: out of time).
+timed() {
+    local part=$1 label=$2 start=$SECONDS rc=0
+    shift 2
+    local left=$((deadline - SECONDS))
+    if [ "$left" -le 0 ]; then
+        say "$part: out of time before $label (GPU_CHECK_BUDGET_S=$budget spent)"
+        printf '%s\t%s\t0\t124\n' "$part" "$label" >> "$check_dir/commands.tsv"
+        return 124
     fi
-    # "packed": the megatron backend with token-budget micro-batches packed into THD sequences
-    # (Transformer Engine only), beside the padded "megatron" run: tokens/s both ways.
-    engine=$backend
-    batching=()
-    if [ "$backend" = packed ]; then
-        if ! "$PYTHON" -c "import transformer_engine" >/dev/null 2>&1; then
-            say "packed: skipped (Transformer Engine is not importable here; THD packing needs it)"
-            echo "transformer_engine is not importable" > "$check_dir/packed.skipped"
-            continue
-        fi
-        engine=megatron
-        batching=("parallel.max_tokens_per_micro_batch=${GPU_CHECK_TOKEN_BUDGET:-8192}" parallel.sequence_packing=true)
-    fi
-    backends+=("$backend")
-    run_dir=$check_dir/$backend
-    for steps in 2 3; do  # the second command resumes from the first one's checkpoint
-        say "$backend: recipes/train.py config=gpu_check rollout.backend=$engine ${batching[*]} trainer.steps=$steps"
-        if [ "$SECONDS" -ge "$deadline" ]; then
-            say "$backend: out of time (GPU_CHECK_BUDGET_S=${GPU_CHECK_BUDGET_S:-540} spent)"
-            break
-        fi
-        start_memory_sampler "$check_dir/$backend.steps$steps.memory"
-        if ! timeout "$((deadline - SECONDS))" "$PYTHON" recipes/train.py config=gpu_check \
-                rollout.backend="$engine" run.dir="$run_dir" trainer.steps="$steps" run.progress_bar=false \
-                logging.tensorboard=false "${batching[@]}" "${overrides[@]}" 2>&1 | tee -a "$check_dir/$backend.log"; then
-            say "$backend: recipes/train.py trainer.steps=$steps failed (log: $check_dir/$backend.log)"
-            stop_memory_sampler
-            break
-        fi
+    set +e
+    timeout "$left" "$@" 2>&1 | tee -a "$check_dir/$part.log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    say "$part: $label took $((SECONDS - start)) s (exit code $rc)"
+    printf '%s\t%s\t%s\t%s\n' "$part" "$label" "$((SECONDS - start))" "$rc" >> "$check_dir/commands.tsv"
+    return "$rc"
+}
+
+skip() {  # skip PART REASON
+    say "$1: skipped ($2)"
+    echo "$2" > "$check_dir/$1.skipped"
+}
+
+# train_part PART "STEPS..." OVERRIDES...: plan, then recipes/train.py for each step count (the
+# second command resumes from the first one's checkpoint).
+train_part() {
+    local part=$1 step_counts=$2
+    shift 2
+    local args=("$@" "${overrides[@]}")
+    timed "$part" "plan_memory.py" "$PYTHON" recipes/plan_memory.py config=gpu_check "${args[@]}" \
+        --json-file="$check_dir/$part.plan.json" || true   # a refused plan: the run fails on it too
+    for steps in $step_counts; do
+        start_memory_sampler "$check_dir/$part.steps$steps.memory"
+        local rc=0
+        timed "$part" "train.py trainer.steps=$steps" "$PYTHON" scripts/gpu_check_train.py config=gpu_check \
+            run.dir="$check_dir/$part" trainer.steps="$steps" run.progress_bar=false logging.tensorboard=false \
+            "${args[@]}" || rc=$?
         stop_memory_sampler
+        [ "$rc" = 0 ] || break
     done
+}
+
+python_has() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
+vllm_imports=$(python_has vllm && echo 1 || echo 0)   # once: importing vLLM takes seconds
+
+timed env "gpu_check_env.py" "$PYTHON" scripts/gpu_check_env.py --json-file "$check_dir/env.json" || true
+for part in ${GPU_CHECK_PARTS:-engine vllm megatron packed hf}; do
+    case $part in
+        engine)
+            if [ "$vllm_imports" = 0 ]; then skip engine "vllm is not importable"; continue; fi
+            timed engine "gpu_check_engine.py (config=quatro_7b)" "$PYTHON" scripts/gpu_check_engine.py \
+                --json-file "$check_dir/engine.json" --sequences "${GPU_CHECK_DECODE_SEQUENCES:-256 512}" \
+                --new-tokens "${GPU_CHECK_DECODE_TOKENS:-256}" "${overrides[@]}" || true ;;
+        vllm)
+            if [ "$vllm_imports" = 0 ]; then skip vllm "vllm is not importable"; continue; fi
+            # Qwen2.5-Math-1.5B's shape (conf/quatro_1p5b.yaml), random weights
+            train_part vllm "2 3" rollout.backend=vllm model.hidden_size=1536 model.num_layers=28 \
+                model.num_attention_heads=12 model.num_query_groups=2 model.ffn_hidden_size=8960 \
+                model.rotary_base=10000 "parallel.max_tokens_per_micro_batch=$token_budget" vllm.check_push=true ;;
+        megatron)
+            train_part megatron "2 3" rollout.backend=megatron ;;
+        packed)
+            # the megatron backend with token-budget micro-batches packed into THD sequences
+            if ! python_has transformer_engine; then
+                skip packed "transformer_engine is not importable (THD packing needs it)"; continue
+            fi
+            train_part packed "2" rollout.backend=megatron "parallel.max_tokens_per_micro_batch=$token_budget" \
+                parallel.sequence_packing=true ;;
+        hf)
+            timed hf "gpu_check_hf.py" "$PYTHON" scripts/gpu_check_hf.py --json-file "$check_dir/hf.json" || true ;;
+        *)
+            die "GPU_CHECK_PARTS: unknown part '$part' (engine vllm megatron packed hf)" ;;
+    esac
 done
 
-exec "$PYTHON" scripts/gpu_check_report.py "$check_dir" "${backends[@]}"
+rc=0
+"$PYTHON" scripts/gpu_check_report.py "$check_dir" || rc=$?
+if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then  # the summary and each part's log (its last 8 MB)
+    for log in "$check_dir"/*.log; do
+        [ -e "$log" ] && tail -c 8000000 "$log" > "$OUT/$(basename "$log")"
+    done
+    cp "$check_dir/commands.tsv" "$OUT/"
+fi
+exit "$rc"

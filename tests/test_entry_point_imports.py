@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 AS_SPAWNED_MAIN = {
     "recipes/train.py": "import runpy; runpy.run_path('recipes/train.py', run_name='__mp_main__')",
+    "scripts/gpu_check_train.py": "import runpy; runpy.run_path('scripts/gpu_check_train.py', run_name='__mp_main__')",
     "quatro_nemo.study.forkserver": "import runpy; runpy.run_module('quatro_nemo.study.forkserver', run_name='__mp_main__', alter_sys=True)",
 }
 

@@ -286,6 +286,9 @@ class VllmConfig:
     max_num_seqs: int = 256              # vLLM's scheduler cap on concurrent sequences
     enforce_eager: bool = False          # no CUDA graphs (debugging)
     seed: int = 0
+    # After every push, run the engine's layers against megatron's weights (engine/push_check.py:
+    # engine_push/* metrics); scripts/gpu_check.sh turns it on. One engine per rank only.
+    check_push: bool = False
 
     def __post_init__(self) -> None:
         check_at_least("vllm.tensor_parallel", self.tensor_parallel, 1)
@@ -293,6 +296,9 @@ class VllmConfig:
         for key in ("sleep_residual_gb", "activation_reserve_gb"):
             check_number(f"vllm.{key}", getattr(self, key), non_negative=True)
         check_in_unit_interval("vllm.gpu_memory_utilization", self.gpu_memory_utilization, closed_high=False)
+        if self.check_push and self.tensor_parallel != 1:
+            raise ConfigError(f"vllm.check_push compares one whole engine per rank with megatron's full weights: "
+                              f"it needs vllm.tensor_parallel=1, not {self.tensor_parallel}")
 
 
 # --------------------------------------------------------------------------------------------

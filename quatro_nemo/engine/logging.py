@@ -1,9 +1,12 @@
 """Run outputs: metrics.jsonl (the record a resumed run must reproduce), TensorBoard, optional W&B.
 
 Only rank 0 writes. Keys under ``time/``, and keys ending in ``_s`` (seconds: the rollout
-pipeline's ``async/wait_s``, ``async/push_s``), hold wall-clock figures; every other key is a
-function of the seed and the data, so an interrupted-and-resumed run writes the same lines as an
-uninterrupted one (``deterministic_view`` drops the timing keys for that comparison).
+pipeline's ``async/wait_s``, ``async/push_s``), hold wall-clock figures; keys under
+``engine_push/`` the push check of the steps whose rollout pushed weights (``vllm.check_push``; a
+resumed run pushes at its first step); records of kind ``phases`` each phase's seconds and memory
+peaks (``quatro_nemo.engine.phase_peaks``). Every other value is a function of the seed and the
+data, so an interrupted-and-resumed run writes the same lines as an uninterrupted one
+(``deterministic_view`` drops the others for that comparison).
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from quatro_nemo.data.schema import iter_jsonl
 
 TIME_PREFIX = "time/"
 SECONDS_SUFFIX = "_s"
+PUSH_CHECK_PREFIX = "engine_push/"   # present on the steps that pushed: not comparable between runs
+PHASES_KIND = "phases"  # a record of the run's phases (seconds, memory peaks): a measurement too
 
 
 def _plain(value: Any) -> Any:
@@ -90,8 +95,10 @@ def truncate_metrics(path: str, through_step: int) -> None:
 
 
 def deterministic_view(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The records without wall-clock keys: what two runs of the same config must agree on."""
-    return [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in records]
+    """The records without wall-clock keys (:func:`is_wall_clock`), push checks and phases' records
+    (a resumed run also has a resume phase): what two runs of the same config must agree on."""
+    return [{k: v for k, v in r.items() if not (is_wall_clock(k) or k.startswith(PUSH_CHECK_PREFIX))}
+            for r in records if r.get("kind") != PHASES_KIND]
 
 
 def is_wall_clock(key: str) -> bool:

@@ -43,8 +43,9 @@ from quatro_nemo.engine import rollout_store
 from quatro_nemo.engine.checkpoint import TrainState
 from quatro_nemo.engine.config import ExperimentConfig
 from quatro_nemo.engine.evaluation import evaluate_policy, training_eval_settings
-from quatro_nemo.engine.logging import MetricsLogger
+from quatro_nemo.engine.logging import PHASES_KIND, MetricsLogger
 from quatro_nemo.engine.off_policy import OffPolicyStep, correct_stale_rollout
+from quatro_nemo.engine.phase_peaks import PhasePeaks
 from quatro_nemo.engine.pipeline import RolloutPipeline
 from quatro_nemo.engine.preemption_lead import preemption_report
 from quatro_nemo.engine.progress import StepProgress
@@ -191,9 +192,10 @@ class Run:
     """Everything a training step reads, built once by :func:`build_run`: the config, the algorithm
     (``spec``) and its state between steps, the policy, megatron's DDP around it and optimizer, the
     frozen reference (None without a KL term), the rollout backend, the micro-batching, this DP
-    rank's prompt ``slots`` in each step's global batch, and the loop's position ``state`` (what a
-    checkpoint saves). ``task``, ``logger`` and ``layout`` are None where only the update runs
-    (``benchmarks/bench_step.py``, tests); ``rollouts``, the rollout pipeline, None there too."""
+    rank's prompt ``slots`` in each step's global batch, the loop's position ``state`` (what a
+    checkpoint saves) and the phases' seconds and memory peaks (``phases``). ``task``, ``logger``
+    and ``layout`` are None where only the update runs (``benchmarks/bench_step.py``, tests);
+    ``rollouts``, the rollout pipeline, None there too."""
 
     cfg: ExperimentConfig
     spec: AlgorithmSpec
@@ -210,6 +212,7 @@ class Run:
     logger: Optional[MetricsLogger] = None
     layout: Any = None
     rollouts: Optional[RolloutPipeline] = None
+    phases: PhasePeaks = field(default_factory=PhasePeaks)
 
 
 def build_run(cfg: ExperimentConfig) -> Run:
@@ -219,6 +222,7 @@ def build_run(cfg: ExperimentConfig) -> Run:
     select_device(cfg.trainer.device)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     layout = parallel.initialize_parallel(cfg.parallel.tensor, cfg.parallel.pipeline, seed=cfg.run.seed)
+    phases = PhasePeaks()  # the start-up phase from here (on the rank's device, now chosen)
     spec = get_algorithm(cfg.algorithm_name)
     mini_batch_prompts = cfg.trainer.mini_batch_prompts or cfg.trainer.prompts_per_step
     check_mini_batches(cfg.trainer.prompts_per_step, cfg.trainer.mini_batch_prompts, layout.data_parallel)
@@ -246,9 +250,11 @@ def build_run(cfg: ExperimentConfig) -> Run:
     # Resume (any parallel layout: the checkpoint is sharded by megatron's dist_checkpointing).
     algorithm_state = spec.make_state(cfg.algorithm)
     state, resume_from = TrainState(), ckpt.latest_step(cfg.run.dir) if cfg.run.resume else None
+    phases.end("startup")
     if resume_from is not None:
-        state = TrainState.from_common(ckpt.load_checkpoint(cfg.run.dir, resume_from, policy_ddp, optimizer,
-                                                            ckpt.layout_signature(layout)))
+        with phases.phase("resume"):  # the checkpoint's load, on top of the training state
+            state = TrainState.from_common(ckpt.load_checkpoint(cfg.run.dir, resume_from, policy_ddp, optimizer,
+                                                                ckpt.layout_signature(layout)))
         algorithm_state.load_state_dict(state.algorithm_state)
     logger = MetricsLogger(cfg.run.dir, enabled=layout.rank == 0, resumed_step=resume_from,
                            tensorboard=cfg.logging.tensorboard,
@@ -258,7 +264,7 @@ def build_run(cfg: ExperimentConfig) -> Run:
                                layout.data_parallel)
     run = Run(cfg=cfg, spec=spec, algorithm_state=algorithm_state, policy=policy, policy_ddp=policy_ddp,
               optimizer=optimizer, reference=reference, backend=backend, batching=step_micro_batching(cfg),
-              slots=slots, state=state, task=task, logger=logger, layout=layout)
+              slots=slots, state=state, task=task, logger=logger, layout=layout, phases=phases)
     run.rollouts = build_pipeline(run, resume_from)
     return run
 
@@ -268,7 +274,7 @@ def train_step(run: Run, step: int) -> Dict[str, float]:
     for it; advances ``run.state``. Returns the step's metrics (identical on every rank)."""
     timer, cfg, task = Timer(), run.algorithm_state.config_for_step(run.cfg), run.task
     n, batch_size = cfg.rollout.n, cfg.trainer.prompts_per_step
-    with timer.phase("rollout"):
+    with timer.phase("rollout"), run.phases.phase("rollout"):
         # 1-2. This DP rank's prompts and N responses each, sampled by the weights of step
         #      max(0, step - k) (rollout.pipeline.max_staleness = k; k = 0: pi_old's, sampled now).
         run.rollouts.advance(step)
@@ -282,7 +288,8 @@ def train_step(run: Run, step: int) -> Dict[str, float]:
         rewards, groups = shape_rewards(run.spec, cfg.algorithm, rollout, local_rewards, batch_size,
                                         cfg.trainer.mini_batch_prompts or batch_size, cfg.rollout.max_new_tokens)
     # 4-6. log pi_old / log pi_ref, advantages (phase "logprobs"), K inner loops ("update").
-    learned = learn_from_rollout(run, cfg, rollout, groups, timer, stale=taken.result.version < step)
+    with run.phases.phase("train"):
+        learned = learn_from_rollout(run, cfg, rollout, groups, timer, stale=taken.result.version < step)
     run.algorithm_state.observe(StepMeasurements(rewards, learned.policy_shift, learned.off_policy.sample_weights))
     run.state = TrainState(next_step=step + 1, optimizer_steps=run.state.optimizer_steps + len(learned.metrics),
                            algorithm_state=run.algorithm_state.state_dict())
@@ -328,9 +335,11 @@ def train(cfg: ExperimentConfig) -> Dict[str, Any]:
             evaluate(run, step + 1)
             preempted = preemption.any_rank_signalled()
         if done or preempted or (trainer.checkpoint_every and (step + 1) % trainer.checkpoint_every == 0):
-            ckpt.save_checkpoint(cfg.run.dir, step + 1, run.policy_ddp, run.optimizer, run.state.to_common(),
-                                 ckpt.layout_signature(run.layout), keep=trainer.keep_checkpoints,
-                                 files=_rollouts_in_flight(run, step + 1))
+            with run.phases.phase("save"):
+                ckpt.save_checkpoint(cfg.run.dir, step + 1, run.policy_ddp, run.optimizer, run.state.to_common(),
+                                     ckpt.layout_signature(run.layout), keep=trainer.keep_checkpoints,
+                                     files=_rollouts_in_flight(run, step + 1))
+        run.logger.log(step + 1, run.phases.pop(), kind=PHASES_KIND)  # engine/phase_peaks.py
         if preempted and not done:
             run.logger.close()
             raise Preempted(f"{preemption.signal_name or 'signal on another rank'} at step {step + 1}")
@@ -350,7 +359,9 @@ def _rollouts_in_flight(run: Run, next_step: int) -> Dict[str, Any]:
 def evaluate(run: Run, step: int) -> Dict[str, Any]:
     """Held-out evaluation of the current policy (collective), logged and its samples saved."""
     heldout = run.task.heldout_problems[:run.cfg.eval.num_problems]
-    eval_metrics, rows = evaluate_policy(run.policy, run.backend, run.task, heldout, training_eval_settings(run.cfg))
+    with run.phases.phase("eval"):
+        eval_metrics, rows = evaluate_policy(run.policy, run.backend, run.task, heldout,
+                                             training_eval_settings(run.cfg))
     if run.layout.rank == 0:   # the samples recipes/evaluate.py and the run report read
         os.makedirs(os.path.join(run.cfg.run.dir, "eval"), exist_ok=True)
         write_samples(os.path.join(run.cfg.run.dir, "eval", f"samples_step{step:06d}.jsonl"), rows)
@@ -376,9 +387,10 @@ def _finish(run: Run) -> Dict[str, Any]:
 class RolloutLearning:
     """What :func:`learn_from_rollout` returns: the estimator's output (``advantages`` [B, N] and
     its metrics), one metrics dict per optimizer step, pi_old's entropies [S_local, T], the engine
-    gap metrics (vLLM), and, when the algorithm's state needs it, the updated policy's global
-    trajectory log-ratios ``log pi_theta(o_i) / pi_old(o_i)`` [B, N] (else None); for a rollout
-    sampled ahead (``rollout.pipeline``), its importance weights and ``async/ess_frac``."""
+    gap metrics (:meth:`RolloutBatch.gap_logprobs`), and, when the algorithm's state needs it, the
+    updated policy's global trajectory log-ratios ``log pi_theta(o_i) / pi_old(o_i)`` [B, N] (else
+    None); for a rollout sampled ahead (``rollout.pipeline``), its importance weights and
+    ``async/ess_frac``."""
 
     advantages: Any
     metrics: List[Dict[str, float]]
@@ -407,8 +419,9 @@ def learn_from_rollout(run: Run, cfg: ExperimentConfig, rollout, groups: ShapedG
             batch["old_logprobs"], old_entropy = compute_logprobs(run.policy, batch, batching)
             if run.reference is not None:
                 batch["ref_logprobs"], _ = compute_logprobs(run.reference, batch, batching)
-        engine_gap = ({} if rollout.engine_logprobs is None else
-                      engine_gap_metrics(rollout.engine_logprobs, batch["old_logprobs"], rollout.response_mask))
+        sampler_logprobs = rollout.gap_logprobs(cfg.rollout.temperature)
+        engine_gap = ({} if sampler_logprobs is None else
+                      engine_gap_metrics(sampler_logprobs, batch["old_logprobs"], rollout.response_mask))
         # A rollout sampled ahead: importance weights pi_old / mu and the correction (Sec. 9.2-9.5).
         off_policy = OffPolicyStep()
         if cfg.rollout.pipeline.overlapped:

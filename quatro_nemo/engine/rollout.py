@@ -39,9 +39,11 @@ class RolloutBatch:
     the sampler's ``logprobs``, lengths, ``finished``). ``engine_logprobs`` [S, L-1]: where the
     sampling engine is not the trained model itself (vLLM), its log pi(token) of each sampled
     token at temperature 1, aligned like ``response_mask``: what the trainer's recomputed log-probs
-    are compared with (:func:`quatro_nemo.engine.loop.engine_gap_metrics`); None otherwise.
-    ``timings``: seconds the backend spent around sampling, by metric name (the vLLM backend's
-    ``time/offload`` / ``time/reload`` of the training state), logged with the step's metrics.
+    are compared with (:func:`quatro_nemo.engine.loop.engine_gap_metrics`, through
+    :meth:`gap_logprobs`); None otherwise.
+    ``timings``: what the backend measured around sampling, by metric name (the vLLM backend's
+    ``time/offload`` / ``time/reload`` of the training state, and with ``vllm.check_push`` the
+    push check's ``engine_push/*``), logged with the step's metrics.
     """
 
     sample: SampleOutput
@@ -53,6 +55,16 @@ class RolloutBatch:
     @property
     def tokens(self) -> torch.Tensor:
         return self.sample.tokens
+
+    def gap_logprobs(self, temperature: float) -> Optional[torch.Tensor]:
+        """The sampler's log pi(token) [S, L-1] that the trainer's recomputation is compared with
+        (``engine_gap/*``): :attr:`engine_logprobs` where set, else the sampler's own
+        ``sample.logprobs`` when it sampled at ``temperature`` 1 (they are of
+        ``softmax(logits / temperature)``): the megatron sampler's KV-cache forward against the
+        training forward. None otherwise."""
+        if self.engine_logprobs is not None:
+            return self.engine_logprobs
+        return self.sample.logprobs if temperature == 1.0 else None
 
     @property
     def response_mask(self) -> torch.Tensor:

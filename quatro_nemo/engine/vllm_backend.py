@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional,
 import torch
 
 from quatro_nemo.engine.capabilities import check_vllm_layout
+from quatro_nemo.engine.push_check import PushCheck
 from quatro_nemo.engine.rollout import RolloutBatch, global_sequence_ids
 from quatro_nemo.megatron import parallel, training
 from quatro_nemo.megatron.collectives import tp_all_gather_objects
@@ -281,6 +282,8 @@ class VllmRolloutBackend:
         self._asleep = False
         self._stale = True  # push the trainer's weights before the first rollout (dummy weights, resume)
         self.training_state: Optional[training.HostTrainingState] = None
+        self.push_check = PushCheck(model_config) if engine.check_push else None
+        self._push_metrics: Dict[str, float] = {}   # the last push's check, reported by the next generate
         # Asleep from the start (level 2: dummy weights and KV cache freed), as NeMo-RL
         # (grpo.py: pg.finish_generation() right after building the engine) and verl ("sleep all
         # replicas to load checkpoint") do: DDP, the optimizer, pi_ref and a resumed checkpoint
@@ -309,13 +312,15 @@ class VllmRolloutBackend:
         # Collective over the model-parallel group; every rank feeds its own vLLM worker, through
         # vLLM's in-place reload (the model's own load_weights fails on the CPU build after the
         # first load: it repacks linear weights).
-        weights = engine_weights(
-            iter_megatron_to_hf(iter_full_parameters(self.model, vocab_size=self.model_config.vocab_size),
-                                self.model_config),
-            tied=self.model_config.tie_embeddings)
+        full = iter_full_parameters(self.model, vocab_size=self.model_config.vocab_size)
+        if self.push_check is not None:   # vllm.check_push: megatron's side, as the push streams by
+            full = self.push_check.tap(full)
+        weights = engine_weights(iter_megatron_to_hf(full, self.model_config), tied=self.model_config.tie_embeddings)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # KV entries computed with the old weights must not serve the new policy's prompts.
         self.llm.reset_prefix_cache()
+        if self.push_check is not None:
+            self._push_metrics = self.push_check.compare(self.llm)
         self._stale = False
 
     def _wake(self) -> None:
@@ -356,6 +361,8 @@ class VllmRolloutBackend:
         responses = self._gather_over_engines(local)
         sample = build_sample_output(rows, responses, self.pad_id)
         timings = {} if self.training_state is None else dict(self.training_state.seconds)
+        timings.update(self._push_metrics)
+        self._push_metrics = {}
         return RolloutBatch(sample=sample, num_prompts=len(prompts), num_samples=num_samples,
                             engine_logprobs=sample.logprobs, timings=timings)
 

@@ -3,6 +3,9 @@ built locally, no download): logits at TP=1 and TP=2, exact tensor round trips, 
 """
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import pytest
 import torch
 
@@ -20,22 +23,16 @@ from tests.distributed import run_ranks
 from tests.conversion.megatron_helpers import forward_logits
 
 transformers = pytest.importorskip("transformers")
+_spec = importlib.util.spec_from_file_location(
+    "gpu_check_hf", pathlib.Path(__file__).resolve().parents[2] / "scripts" / "gpu_check_hf.py")
+_GPU_CHECK_HF = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_GPU_CHECK_HF)
 
 
 def tiny_qwen2(tie: bool, vocab_size: int = 62, seed: int = 0):
-    """A random float32 Qwen2ForCausalLM: 2 layers, GQA (4 heads, 2 KV heads), QKV bias."""
-    config = transformers.Qwen2Config(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_theta=10000.0, tie_word_embeddings=tie, initializer_range=0.2, attn_implementation="eager",
-    )
-    torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # non-trivial norms and biases (HF initialises them to 1 and 0)
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                param.add_(0.3 * torch.randn_like(param))
-    return model
+    """A random float32 Qwen2ForCausalLM: 2 layers, GQA (4 heads, 2 KV heads), QKV bias, hidden size
+    32, non-trivial norms and biases (the GPU check's builder, scripts/gpu_check_hf.py)."""
+    return _GPU_CHECK_HF.tiny_qwen2(tie=tie, vocab_size=vocab_size, hidden_size=32, intermediate_size=48, seed=seed)
 
 
 def hf_config_dict(model) -> dict:

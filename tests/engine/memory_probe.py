@@ -27,6 +27,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from quatro_nemo.engine.phase_peaks import host_memory_kb as memory_kb, reset_host_peak  # noqa: E402
+
 # The probe's model: qwen2-style (RMSNorm, SwiGLU, GQA, RoPE), float32, untied, ~41 M parameters,
 # so that training state (16 bytes per parameter) dwarfs activations and logits.
 MODEL = dict(architecture="qwen2", vocab_size=16384, hidden_size=512, num_layers=8, num_attention_heads=8,
@@ -38,19 +40,10 @@ STEPS = 2
 LOSS_PATH_SHAPE = (2, 512, 16384, 64)  # rows, length, vocabulary, hidden: 16.8 M logits
 
 
-def memory_kb(field: str) -> int:
-    """A ``/proc/self/status`` field in kB (VmRSS: resident now; VmHWM: peak resident)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
 def reset_peak() -> None:
-    """Reset VmHWM to the current VmRSS (proc(5), /proc/pid/clear_refs, value 5)."""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
+    """Reset VmHWM to the current VmRSS (the engine's own reset: proc(5), /proc/pid/clear_refs)."""
+    if not reset_host_peak():
+        raise OSError("the kernel refused to reset VmHWM (/proc/self/clear_refs)")
 
 
 def _training_batch(rank: int, sequences: int):

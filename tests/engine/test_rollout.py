@@ -64,3 +64,19 @@ def test_grouped_layout_and_prompt_offsets(tmp_path):
     padded = pad_to_length(half.sample, length + 3, pad_id=0)
     assert padded.tokens.shape[1] == length + 3 and padded.response_mask.shape[1] == length + 2
     assert (padded.tokens[:, length:] == 0).all()
+
+
+def test_the_engine_gap_compares_the_engines_log_probs_else_the_samplers_own_at_temperature_one():
+    from quatro_nemo.engine.rollout import RolloutBatch
+    from quatro_nemo.megatron.sampling import SampleOutput
+
+    sampler = torch.tensor([[0.0, -1.5, -0.25]])
+    sample = SampleOutput(tokens=torch.tensor([[1, 5, 6, 2]]), response_mask=torch.tensor([[0.0, 1.0, 1.0]]),
+                          logprobs=sampler, prompt_lengths=torch.tensor([2]), response_lengths=torch.tensor([2]),
+                          finished=torch.tensor([True]))
+    megatron = RolloutBatch(sample=sample, num_prompts=1, num_samples=1)
+    # the sampler's log-probs are of softmax(logits / T): pi's only at T = 1
+    assert megatron.gap_logprobs(1.0) is sampler and megatron.gap_logprobs(0.7) is None
+    engine = torch.tensor([[0.0, -1.4, -0.3]])
+    vllm = RolloutBatch(sample=sample, num_prompts=1, num_samples=1, engine_logprobs=engine)
+    assert vllm.gap_logprobs(1.0) is engine and vllm.gap_logprobs(0.7) is engine   # raw log-probs: any T

@@ -48,10 +48,12 @@ class Recipe:
     update_key: str              # a metric that is non-zero once the model is being updated
 
     def metrics(self, run_dir: Path) -> List[dict]:
-        """metrics.jsonl without wall-clock timings (which differ between any two runs)."""
+        """metrics.jsonl without wall-clock timings and phase measurements (which differ between
+        any two runs)."""
+        from quatro_nemo.engine.logging import deterministic_view
+
         path = run_dir / "metrics.jsonl"
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return [{k: v for k, v in r.items() if not k.startswith("time")} for r in records]
+        return deterministic_view(json.loads(line) for line in path.read_text().splitlines() if line.strip())
 
 
 def standin_recipe(tmp_dir: Path) -> Recipe:

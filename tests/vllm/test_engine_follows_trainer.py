@@ -8,23 +8,16 @@ control in the same test (a stale push, no prefix-cache reset): the gap metric m
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.vllm.conftest import GAP_TOKEN_MAX, GAP_TOKEN_MEAN, SMALL
+from tests.vllm.conftest import GAP_TOKEN_MAX, GAP_TOKEN_MEAN, REPO, SMALL
 
 pytestmark = pytest.mark.slow
-
-
-class LengthParityReward:
-    """A reward any policy earns about half the time, so every group has a learning signal:
-    1 for a response with an even number of characters."""
-
-    def score_batch(self, problems, responses):
-        return [float(len(response) % 2 == 0) for response in responses]
 
 
 def _train_rank(rank, args, stale_push):
@@ -33,14 +26,12 @@ def _train_rank(rank, args, stale_push):
     from quatro_nemo.engine.logging import read_metrics
     from quatro_nemo.engine.vllm_backend import VllmRolloutBackend
 
-    real_build_task = loop.build_task
-
-    def build_task(cfg):
-        task = real_build_task(cfg)
-        task.verifier = LengthParityReward()
-        return task
-
-    loop.build_task = build_task
+    # a reward any policy earns about half the time (an even number of characters), so every group
+    # has a learning signal: the GPU check's (scripts/gpu_check_train.py)
+    spec = importlib.util.spec_from_file_location("gpu_check_train", REPO / "scripts" / "gpu_check_train.py")
+    gpu_check_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check_train)
+    gpu_check_train.reward_any_policy_earns()
     if stale_push:  # the negative control: the engine keeps the weights of its first push
         VllmRolloutBackend.update_weights = lambda self: None
     cfg = load_config(args)
