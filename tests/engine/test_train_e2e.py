@@ -103,7 +103,8 @@ def test_every_algorithm_runs_through_the_same_loop(algorithm, every_algorithm):
 
 def test_a_run_without_a_terminal_prints_one_line_per_logged_step(reference_run):
     """Where no tqdm bar shows (SLURM logs, pipes) rank 0 prints each logged step's own numbers:
-    reward, KL to pi_ref, sampled tokens per second, step time and the ETA from the mean step time."""
+    reward, KL to pi_ref, the engine's gap to the trainer, sampled tokens per second, step time and
+    the ETA from the mean step time."""
     from quatro_nemo.engine.progress import format_duration
 
     args, run_dir = reference_run
@@ -116,6 +117,8 @@ def test_a_run_without_a_terminal_prints_one_line_per_logged_step(reference_run)
         expected = [f"[quatro] step {record['step']}/5", f"reward {record['reward/mean']:.3f}"]
         if "policy/kl_ref" in record:   # absent for a step without an update
             expected.append(f"kl_ref {record['policy/kl_ref']:.4f}")
+        if "engine_gap/token_abs_mean" in record:   # the sampler measured its gap to the trainer
+            expected.append(f"engine gap {record['engine_gap/token_abs_mean']:.4f}")
         mean = sum(r["time/step"] for r in records[:index + 1]) / (index + 1)
         expected += [f"{record['response_length/mean'] * sequences / seconds:,.0f} tok/s", f"step {seconds:.1f} s",
                      f"ETA {format_duration(mean * (5 - record['step']))}"]
